@@ -1,0 +1,45 @@
+# loraplex: `make run` serves the built-in demo model, `make test` runs the suite.
+# Both create or update the virtualenv first; nothing needs installing by hand.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+# Where no NVIDIA GPU is present, take the CPU build of torch (never pull CUDA wheels).
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_CPU_INDEX ?=
+PYTEST_ARGS ?=
+
+.PHONY: run test venv bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+
+$(VENV)/.torch-$(TORCH_VERSION): | $(PY)
+ifeq ($(HAS_GPU),1)
+	$(PIP) install -q "torch==$(TORCH_VERSION)"
+else
+	$(PIP) install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_CPU_INDEX),--index-url $(TORCH_CPU_INDEX))
+endif
+	touch $@
+
+# Reinstall when the packaging or the native sources change.
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h) $(VENV)/.torch-$(TORCH_VERSION)
+	$(PIP) install -q -e ".[test]" "torch==$(TORCH_VERSION)"
+	touch $@
+
+venv: $(VENV)/.installed
+
+run: venv
+	$(PY) -m loraplex.cli demo
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: venv
+	$(PY) bench/engine_throughput.py --json
+
+clean:
+	rm -rf $(VENV) build *.egg-info loraplex/_C*.so

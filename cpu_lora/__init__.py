@@ -1,0 +1,1 @@
+"""CPU LoRA worker pool for CPU-assisted prefill."""

@@ -1,0 +1,1 @@
+"""Control daemon: scheduling, routing, page allocation and supervision (torch-free)."""

@@ -1,0 +1,1 @@
+"""Iteration-level schedulers (torch-free): state in, StepPlan out."""

@@ -1,0 +1,63 @@
+"""Per-request state the scheduler keeps between iterations (torch-free).
+
+A sequence is prompt + output tokens with `num_computed` of them already in
+its KV pages; prefill, chunked prefill, decode and recompute after preemption
+are all "feed the uncomputed tail, sample when it is all computed".
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from loraplex.ipc.engine_plan import SamplingSpec
+
+
+class SeqStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class SeqRequest:
+    request_id: str
+    prompt_ids: list[int]
+    adapter: str | None
+    sampling: SamplingSpec
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class Sequence:
+    req: SeqRequest
+    arrival: float = field(default_factory=time.monotonic)
+    status: SeqStatus = SeqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    kv_pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    finish_reason: str | None = None
+    first_scheduled: float | None = None
+    first_token_at: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.req.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        prompt = self.req.prompt_ids
+        if stop <= len(prompt):
+            return prompt[start:stop]
+        return (prompt + self.output_ids)[start:stop]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed

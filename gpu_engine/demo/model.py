@@ -1,0 +1,178 @@
+"""The built-in demo: a tiny random Llama, its tokenizer and six LoRA adapters.
+
+Owns the demo's config, adapter list, cache location and the all-or-nothing
+install (write into a temporary sibling, rename into place, `DONE` last).
+Never deletes a directory that is not a finished demo of some version.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from .adapter import write_random_adapter
+from .checkpoint import llama_config, write_random_checkpoint
+from .tokenizer import VOCAB_SIZE, write_tokenizer
+
+DEMO_VERSION = "loraplex-demo-v1"
+DONE_MARKER = "DONE"
+MODEL_SEED = 1234
+
+
+@dataclass(frozen=True, slots=True)
+class DemoAdapterSpec:
+    """One demo adapter: its directory name and LoRA hyperparameters."""
+
+    name: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    seed: int
+    use_rslora: bool = False
+
+
+DEMO_ADAPTERS: tuple[DemoAdapterSpec, ...] = (
+    DemoAdapterSpec("qv-r8", 8, 16.0, ("q_proj", "v_proj"), seed=101),
+    DemoAdapterSpec("attn-r16", 16, 32.0, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=102),
+    DemoAdapterSpec(
+        "all-r32",
+        32,
+        32.0,
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        seed=103,
+    ),
+    DemoAdapterSpec("mlp-r64", 64, 64.0, ("gate_proj", "up_proj", "down_proj"), seed=104),
+    DemoAdapterSpec("rslora-r16", 16, 16.0, ("q_proj", "v_proj", "o_proj"), seed=105, use_rslora=True),
+    DemoAdapterSpec("kdown-r8", 8, 8.0, ("k_proj", "down_proj"), seed=106),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoModel:
+    """Where an installed demo lives: its root, base model dir and adapter dirs."""
+
+    root: Path
+    model_dir: Path
+    adapters: Mapping[str, Path]  # name -> adapter dir, read-only, in DEMO_ADAPTERS order
+
+
+def demo_model_config() -> dict[str, Any]:
+    """config.json of the demo base model (GQA Llama, vocab = demo tokenizer's)."""
+    return llama_config(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def default_demo_dir() -> Path:
+    """$LORAPLEX_CACHE_DIR/demo-v1, else $XDG_CACHE_HOME/loraplex/demo-v1, else ~/.cache/loraplex/demo-v1."""
+    if cache := os.environ.get("LORAPLEX_CACHE_DIR"):
+        return Path(cache) / "demo-v1"
+    if xdg := os.environ.get("XDG_CACHE_HOME"):
+        return Path(xdg) / "loraplex" / "demo-v1"
+    return Path.home() / ".cache" / "loraplex" / "demo-v1"
+
+
+def _describe(root: Path) -> DemoModel:
+    adapters = {spec.name: root / "adapters" / spec.name for spec in DEMO_ADAPTERS}
+    return DemoModel(root=root, model_dir=root / "model", adapters=MappingProxyType(adapters))
+
+
+def _marker(root: Path) -> str | None:
+    """The version written in root/DONE, or None when there is none."""
+    try:
+        return (root / DONE_MARKER).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _is_complete(root: Path) -> bool:
+    return _marker(root) == DEMO_VERSION
+
+
+def _write_demo(root: Path) -> None:
+    """Write every demo file into `root`; DONE goes last so readers see all or nothing."""
+    model_dir = root / "model"
+    config = demo_model_config()
+    write_random_checkpoint(model_dir, config, seed=MODEL_SEED)
+    write_tokenizer(model_dir)
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    (model_dir / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+    for spec in DEMO_ADAPTERS:
+        write_random_adapter(
+            root / "adapters" / spec.name,
+            config,
+            rank=spec.rank,
+            alpha=spec.alpha,
+            target_modules=list(spec.target_modules),
+            seed=spec.seed,
+            use_rslora=spec.use_rslora,
+        )
+    (root / DONE_MARKER).write_text(DEMO_VERSION + "\n")
+
+
+def _check_replaceable(dest: Path) -> None:
+    """Refuse to replace anything but an empty dir or a finished demo (any version)."""
+    if not dest.exists():
+        return
+    if not dest.is_dir():
+        raise FileExistsError(f"{dest} exists and is not a directory")
+    if _marker(dest) is None and any(dest.iterdir()):
+        raise FileExistsError(f"{dest} is not empty and holds no loraplex demo; refusing to overwrite it")
+
+
+def ensure_demo_model(dest: Path | None = None, *, force: bool = False) -> DemoModel:
+    """Return the demo at `dest` (default_demo_dir()), writing it first if missing, stale or forced."""
+    dest = Path(dest) if dest is not None else default_demo_dir()
+    dest = dest.expanduser().absolute()
+    if not force and _is_complete(dest):
+        return _describe(dest)
+    _check_replaceable(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = dest.with_name(f".{dest.name}.tmp-{token}")
+    try:
+        tmp.mkdir()
+        _write_demo(tmp)
+        _install(tmp, dest, token, force=force)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _describe(dest)
+
+
+def _install(tmp: Path, dest: Path, token: str, *, force: bool) -> None:
+    """Rename `tmp` onto `dest`; unless forced, a current demo installed meanwhile by a racing writer wins."""
+    if not force and _is_complete(dest):
+        return
+    old = dest.with_name(f".{dest.name}.old-{token}")
+    if _marker(dest) is not None:
+        # A finished demo (stale, or being forced): rename(2) cannot replace a
+        # non-empty dir, so move it aside first. An empty dir is replaced directly.
+        try:
+            os.rename(dest, old)
+        except FileNotFoundError:
+            pass  # another process moved it away meanwhile
+    try:
+        os.rename(tmp, dest)
+    except OSError:
+        # Lost a race: dest reappeared non-empty. Fine if it is a finished demo.
+        if not _is_complete(dest):
+            raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,213 @@
+"""The offline API: `LLM(model).generate(prompts, adapters=..., sampling=...)`.
+
+Wires the torch-free policy (FCFS scheduler, page allocator, adapter
+residency) to the in-process executor, exactly as the daemon will drive an
+engine process. Every request is validated before any is queued, so a bad
+input raises a specific error and leaves the engine as it was.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence as Seq
+
+import torch
+
+from loraplex.daemon.memory.allocator import PageAllocator
+from loraplex.daemon.memory.geometry import PageGeometry
+from loraplex.daemon.scheduler.fcfs import FcfsScheduler, SchedulerConfig
+from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
+from loraplex.errors import AdapterError, InvalidTokenError, PromptTooLongError, UnknownAdapterError
+from loraplex.gpu_engine.executor import Executor
+from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
+from loraplex.gpu_engine.model.config import ModelConfig
+from loraplex.gpu_engine.model.weights import load_weights
+from loraplex.gpu_engine.pool import UnifiedPool
+from loraplex.gpu_engine.sampling_params import SamplingParams
+from loraplex.ipc.engine_plan import SamplingSpec
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+DEFAULT_CPU_POOL_BYTES = 512 << 20
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    request_id: str
+    adapter: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None
+    finish_reason: str
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: str = "float32",
+                 max_lora_rank: int = 256, lora_backend: str = "torch", num_pages: int | None = None,
+                 pool_bytes: int | None = None, page_tokens: int | None = None, max_num_seqs: int = 64,
+                 max_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.9) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if lora_backend == "triton":
+            raise ValueError("lora_backend='triton' is not available yet in this build; use lora_backend='torch'")
+        if lora_backend != "torch":
+            raise ValueError(f"lora_backend must be 'torch' or 'triton', got {lora_backend!r}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} requested but CUDA is not available")
+        if not isinstance(max_lora_rank, int) or max_lora_rank <= 0:
+            raise ValueError(f"max_lora_rank must be a positive integer, got {max_lora_rank!r}")
+        if model is None:
+            from loraplex.gpu_engine.demo import ensure_demo_model
+
+            model = ensure_demo_model().model_dir
+        self.model_dir = Path(model)
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[dtype]
+        self.max_lora_rank = max_lora_rank
+        self.config = ModelConfig.from_dir(self.model_dir)
+        weights = load_weights(self.model_dir, self.config, device=self.device, dtype=self.dtype)
+        self.geometry = PageGeometry.for_model(self.config.module_shapes(), self.config.kv_dim, page_tokens)
+        if num_pages is None:
+            num_pages = self._default_num_pages(pool_bytes, gpu_memory_utilization)
+        self.executor = Executor(self.config, weights, self.geometry, num_pages, device=self.device, dtype=self.dtype)
+        self.allocator = PageAllocator(num_pages)
+        capacity = num_pages * self.geometry.page_tokens
+        limit = min(self.config.max_position_embeddings, capacity)
+        self.max_model_len = min(max_model_len, limit) if max_model_len else limit
+        self.scheduler = FcfsScheduler(
+            SchedulerConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
+                            max_model_len=self.max_model_len),
+            self.geometry, self.allocator, self._adapter_pages, self.config.eos_token_ids,
+        )
+        self.tokenizer = self._load_tokenizer()
+        self._ids = itertools.count()
+
+    def _default_num_pages(self, pool_bytes: int | None, utilization: float) -> int:
+        if pool_bytes is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                pool_bytes = int(free * utilization)
+            else:
+                pool_bytes = DEFAULT_CPU_POOL_BYTES
+        return UnifiedPool.pages_for_bytes(self.config.num_layers, self.geometry, self.dtype, pool_bytes)
+
+    def _load_tokenizer(self):
+        path = self.model_dir / "tokenizer.json"
+        if not path.is_file():
+            return None
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(path))
+
+    # ---- adapters -------------------------------------------------------------------------------
+    def add_adapter(self, name: str, peft_dir: str | Path) -> None:
+        if not isinstance(name, str) or not _ADAPTER_NAME.match(name):
+            raise AdapterError(f"adapter name {name!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
+        if name in self.executor.host:
+            raise AdapterError(f"adapter {name!r} is already added; remove it first")
+        adapter = load_peft_adapter(name, peft_dir, self.config, max_lora_rank=self.max_lora_rank, dtype=self.dtype)
+        layout = self.executor.add_host_adapter(adapter)
+        if layout.num_pages > self.allocator.num_pages:
+            self.executor.remove_host_adapter(name)
+            raise AdapterError(f"adapter {name!r} needs {layout.num_pages} pages; the pool has {self.allocator.num_pages}")
+
+    def remove_adapter(self, name: str) -> None:
+        if name not in self.executor.host:
+            raise UnknownAdapterError(f"unknown adapter {name!r}")
+        self.scheduler.adapters.drop(name)
+        self.executor.remove_host_adapter(name)
+
+    def adapters(self) -> list[str]:
+        return sorted(self.executor.host)
+
+    def _adapter_pages(self, name: str) -> int:
+        return self.executor.host[name].layout.num_pages
+
+    # ---- generation -----------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Seq[Prompt], adapters: str | None | Seq[str | None] = None,
+                 sampling: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        n = len(prompt_list)
+        adapter_list = list(adapters) if isinstance(adapters, (list, tuple)) else [adapters] * n
+        sampling_list = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling or SamplingParams()] * n
+        if len(adapter_list) != n or len(sampling_list) != n:
+            raise ValueError(f"got {n} prompts, {len(adapter_list)} adapters and {len(sampling_list)} sampling params")
+        requests = [self._make_request(p, a, s) for p, a, s in zip(prompt_list, adapter_list, sampling_list)]
+        seqs: list[Sequence] = []
+        try:
+            for req in requests:
+                seqs.append(self.scheduler.add(req))
+            self._run_until_done()
+        except BaseException:
+            for seq in seqs:
+                self.scheduler.abort(seq.request_id)
+            raise
+        return [self._output(seq) for seq in seqs]
+
+    def _run_until_done(self) -> None:
+        while self.scheduler.has_work():
+            plan = self.scheduler.schedule()
+            if plan is None:
+                raise RuntimeError("scheduler made no progress with requests queued (pool too small?)")
+            result = self.executor.execute(plan)
+            self.scheduler.apply(plan, result)
+
+    def _make_request(self, prompt: Prompt, adapter: str | None, params: SamplingParams) -> SeqRequest:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams, got {type(params).__name__}")
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidTokenError(f"token id {bad[0]} is outside the vocabulary (size {self.config.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} (prompt + at least 1 new token)"
+            )
+        if adapter is not None and adapter not in self.executor.host:
+            raise UnknownAdapterError(f"unknown adapter {adapter!r}; added: {self.adapters()}")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        spec = SamplingSpec(temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
+                            top_k=params.top_k, seed=seed, logprobs=params.logprobs)
+        return SeqRequest(request_id=f"offline-{next(self._ids)}", prompt_ids=ids, adapter=adapter, sampling=spec,
+                          max_tokens=params.max_tokens, stop_token_ids=frozenset(params.stop_token_ids),
+                          ignore_eos=params.ignore_eos)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir} has no tokenizer.json; pass token ids instead of text")
+            return self.tokenizer.encode(prompt).ids
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidTokenError("a token-id prompt must be a list of integers")
+        return list(prompt)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            adapter=seq.req.adapter,
+            prompt_token_ids=list(seq.req.prompt_ids),
+            token_ids=list(seq.output_ids),
+            text=self.decode(seq.output_ids),
+            logprobs=[float(lp) for lp in seq.logprobs] if seq.req.sampling.logprobs else None,
+            finish_reason=seq.finish_reason or "unknown",
+        )
+
+
+def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one token-id prompt
+    return prompts

@@ -1,0 +1,1 @@
+"""Unmerged multi-LoRA: PEFT adapter loading/validation and the torch reference backend."""

@@ -1,0 +1,155 @@
+"""Read and validate a PEFT LoRA adapter directory against the base model.
+
+Safetensors only: a pickled `adapter_model.bin` is refused, never opened.
+Everything the unmerged-LoRA executor cannot reproduce exactly (DoRA,
+modules_to_save, trained biases, per-layer rank patterns, partial layer
+coverage) is refused with an error that names it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from loraplex.errors import AdapterError, AdapterRankError
+from loraplex.gpu_engine.model.config import ModelConfig
+
+TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSpec:
+    rank: int
+    alpha: float
+    use_rslora: bool
+    targets: tuple[str, ...]
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
+
+
+@dataclass(slots=True)
+class HostAdapter:
+    """An adapter in host memory: `a[layer][module]` is [r, in], `b[layer][module]` is [out, r]."""
+
+    name: str
+    path: Path
+    spec: AdapterSpec
+    a: list[dict[str, torch.Tensor]]
+    b: list[dict[str, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.a + self.b for t in layer.values())
+
+
+def _read_config(path: Path) -> dict:
+    cfg_file = path / "adapter_config.json"
+    if not path.is_dir():
+        raise AdapterError(f"adapter directory {path} does not exist")
+    if not cfg_file.is_file():
+        raise AdapterError(f"{path} has no adapter_config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{cfg_file} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{cfg_file} must hold a JSON object")
+    return raw
+
+
+def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) -> AdapterSpec:
+    path = Path(path)
+    raw = _read_config(path)
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"unsupported peft_type {raw.get('peft_type')!r}: only LORA adapters are served")
+    refusals = {
+        "use_dora": (lambda v: bool(v), "DoRA adapters are not supported"),
+        "modules_to_save": (lambda v: bool(v), "modules_to_save (fully trained extra modules) is not supported"),
+        "bias": (lambda v: v not in (None, "none"), "adapters with trained biases are not supported"),
+        "lora_bias": (lambda v: bool(v), "adapters with trained biases are not supported"),
+        "fan_in_fan_out": (lambda v: bool(v), "fan_in_fan_out is not supported for Llama linear layers"),
+        "layers_to_transform": (lambda v: v not in (None, []), "layers_to_transform is not supported"),
+        "rank_pattern": (lambda v: bool(v), "per-module rank_pattern is not supported"),
+        "alpha_pattern": (lambda v: bool(v), "per-module alpha_pattern is not supported"),
+    }
+    for key, (bad, why) in refusals.items():
+        if key in raw and bad(raw[key]):
+            raise AdapterError(f"adapter {path.name}: {why} ({key}={raw[key]!r})")
+    rank = raw.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise AdapterError(f"adapter {path.name}: r must be a positive integer, got {rank!r}")
+    if rank > max_lora_rank:
+        raise AdapterRankError(f"adapter {path.name}: rank {rank} exceeds max_lora_rank={max_lora_rank}")
+    alpha = raw.get("lora_alpha", rank)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise AdapterError(f"adapter {path.name}: lora_alpha must be a finite number, got {alpha!r}")
+    targets = raw.get("target_modules")
+    if isinstance(targets, str):
+        # A regex over full module names: the tensors in the file say which modules it matched.
+        targets = sorted(_modules_in_file(path))
+    if not isinstance(targets, list) or not targets:
+        raise AdapterError(f"adapter {path.name}: target_modules must be a non-empty list")
+    unknown = sorted(set(targets) - set(TARGETABLE))
+    if unknown:
+        raise AdapterError(f"adapter {path.name}: unsupported target modules {unknown}; supported: {list(TARGETABLE)}")
+    ordered = tuple(t for t in TARGETABLE if t in targets)
+    return AdapterSpec(rank=rank, alpha=float(alpha), use_rslora=bool(raw.get("use_rslora", False)), targets=ordered)
+
+
+def _modules_in_file(path: Path) -> set[str]:
+    weights_file = path / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        return set()
+    with safe_open(str(weights_file), framework="pt", device="cpu") as f:
+        return {m.group(2) for m in map(_KEY.match, f.keys()) if m is not None}
+
+
+def load_peft_adapter(name: str, path: str | Path, model: ModelConfig, *, max_lora_rank: int,
+                      dtype: torch.dtype) -> HostAdapter:
+    path = Path(path)
+    spec = read_adapter_spec(path, model, max_lora_rank)
+    weights_file = path / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        if (path / "adapter_model.bin").exists():
+            raise AdapterError(f"adapter {path.name}: adapter_model.bin is a pickle; only safetensors are loaded")
+        raise AdapterError(f"adapter {path.name}: adapter_model.safetensors is missing")
+    shapes = model.module_shapes()
+    a: list[dict[str, torch.Tensor]] = [{} for _ in range(model.num_layers)]
+    b: list[dict[str, torch.Tensor]] = [{} for _ in range(model.num_layers)]
+    try:
+        handle = safe_open(str(weights_file), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise AdapterError(f"adapter {path.name}: cannot read adapter_model.safetensors: {e}") from None
+    with handle as f:
+        for key in f.keys():
+            m = _KEY.match(key)
+            if m is None:
+                raise AdapterError(f"adapter {path.name}: unsupported tensor {key!r}")
+            layer, module, kind = int(m.group(1)), m.group(2), m.group(3)
+            if layer >= model.num_layers or module not in spec.targets:
+                raise AdapterError(f"adapter {path.name}: tensor {key!r} is outside target_modules or the model")
+            fan_in, fan_out = shapes[module]
+            want = (spec.rank, fan_in) if kind == "A" else (fan_out, spec.rank)
+            t = f.get_tensor(key)
+            if tuple(t.shape) != want:
+                raise AdapterError(
+                    f"adapter {path.name}: {key} has shape {tuple(t.shape)}, expected {want} for this base model"
+                )
+            if not torch.isfinite(t).all():
+                raise AdapterError(f"adapter {path.name}: {key} holds non-finite values")
+            (a if kind == "A" else b)[layer][module] = t.to(dtype).contiguous()
+    for layer in range(model.num_layers):
+        for module in spec.targets:
+            if module not in a[layer] or module not in b[layer]:
+                raise AdapterError(f"adapter {path.name}: layer {layer} {module} lora_A/lora_B missing")
+    return HostAdapter(name=name, path=path, spec=spec, a=a, b=b)

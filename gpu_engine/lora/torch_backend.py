@@ -1,0 +1,68 @@
+"""Unmerged multi-LoRA in plain torch: `y += s·(x A^T) B^T` per adapter group,
+with A and B^T rows read from the unified pool through each adapter's row
+offsets (the reference the Triton kernels are checked against).
+
+Rows without an adapter cost nothing: only tokens of an adapter's group are
+gathered and multiplied.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.daemon.memory.geometry import AdapterLayout
+from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
+from loraplex.gpu_engine.pool import UnifiedPool
+
+
+@dataclass(slots=True)
+class ResidentLora:
+    """An adapter placed in pool pages: flat gather indices of its rows in every layer."""
+
+    name: str
+    rank: int
+    scaling: float
+    index: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> ([r, in], [r, out]) element indices
+
+
+def _row_index(offsets: list[int], width: int, device: torch.device) -> torch.Tensor:
+    base = torch.tensor(offsets, dtype=torch.int64, device=device)
+    return base[:, None] + torch.arange(width, dtype=torch.int64, device=device)[None, :]
+
+
+def place_adapter(pool: UnifiedPool, adapter: HostAdapter, layout: AdapterLayout, pages: list[int]) -> ResidentLora:
+    """Copy the adapter's A rows and B^T rows into its pages, in every layer."""
+    device = pool.data.device
+    offsets = layout.row_offsets(pages, pool.geometry.page_elems)
+    index: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, (a_off, b_off) in offsets.items():
+        rows = layout.modules[module]
+        index[module] = (_row_index(a_off, rows.in_features, device), _row_index(b_off, rows.out_features, device))
+    for layer in range(pool.data.shape[0]):
+        flat = pool.layer_flat(layer)
+        for module, (a_idx, b_idx) in index.items():
+            flat[a_idx] = adapter.a[layer][module].to(device=device, dtype=pool.data.dtype)
+            flat[b_idx] = adapter.b[layer][module].t().to(device=device, dtype=pool.data.dtype)
+    return ResidentLora(name=adapter.name, rank=adapter.spec.rank, scaling=adapter.spec.scaling, index=index)
+
+
+@dataclass(slots=True)
+class LoraGroup:
+    lora: ResidentLora
+    tokens: torch.Tensor  # [n] indices into the step's flattened tokens
+
+
+class TorchLoraBackend:
+    def apply(self, out: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, module: str,
+              groups: list[LoraGroup]) -> None:
+        # x: [tokens, in], out: [tokens, out] (base projection output, updated in place)
+        for group in groups:
+            idx = group.lora.index.get(module)
+            if idx is None:
+                continue
+            a = pool_layer[idx[0]]  # [r, in]
+            bt = pool_layer[idx[1]]  # [r, out]
+            xs = x.index_select(0, group.tokens)
+            delta = (xs @ a.t()) @ bt * group.lora.scaling
+            out.index_add_(0, group.tokens, delta)

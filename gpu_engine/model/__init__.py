@@ -1,0 +1,1 @@
+"""Llama-family model definition: config parsing, weight loading, RoPE, forward pass."""

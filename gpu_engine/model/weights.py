@@ -1,0 +1,111 @@
+"""Load a HuggingFace Llama-family checkpoint (single or sharded safetensors)
+into typed per-layer weight holders on the target device and dtype.
+
+Safetensors only: pickled checkpoints are refused, never unpickled. Every
+tensor is checked against the config's shapes; unknown tensors are refused
+rather than silently ignored.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from loraplex.gpu_engine.model.config import ModelConfig, UnsupportedModelError
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    proj: dict[str, torch.Tensor]  # module name -> [out, in]
+    bias: dict[str, torch.Tensor]  # module name -> [out], only where the checkpoint has one
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+        raise UnsupportedModelError(
+            f"{model_dir} holds only pickle checkpoints (.bin/.pt); loraplex loads safetensors only"
+        )
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
+                                          "model.norm.weight": (cfg.hidden_size,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (cfg.hidden_size,)
+        shapes[p + "post_attention_layernorm.weight"] = (cfg.hidden_size,)
+        for name, (fan_in, fan_out) in cfg.module_shapes().items():
+            shapes[p + _module_path(name) + ".weight"] = (fan_out, fan_in)
+            if _has_bias(cfg, name):
+                shapes[p + _module_path(name) + ".bias"] = (fan_out,)
+    return shapes
+
+
+def _module_path(name: str) -> str:
+    return ("self_attn." if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp.") + name
+
+
+def _has_bias(cfg: ModelConfig, name: str) -> bool:
+    if name in ("q_proj", "k_proj", "v_proj"):
+        return cfg.qkv_bias
+    if name == "o_proj":
+        return cfg.o_bias
+    return cfg.mlp_bias
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig, *, device: torch.device,
+                 dtype: torch.dtype) -> ModelWeights:
+    model_dir = Path(model_dir)
+    want = expected_shapes(cfg)
+    got: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+                    continue
+                if key not in want:
+                    raise UnsupportedModelError(f"unexpected tensor {key!r} in {file.name} for this config")
+                t = f.get_tensor(key)
+                if tuple(t.shape) != want[key]:
+                    raise UnsupportedModelError(f"tensor {key} has shape {tuple(t.shape)}, expected {want[key]}")
+                got[key] = t.to(device=device, dtype=dtype)
+    missing = sorted(set(want) - set(got))
+    if missing:
+        raise UnsupportedModelError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layers.append(LayerWeights(
+            input_norm=got[p + "input_layernorm.weight"],
+            post_norm=got[p + "post_attention_layernorm.weight"],
+            proj={n: got[p + _module_path(n) + ".weight"] for n in cfg.module_shapes()},
+            bias={n: got[p + _module_path(n) + ".bias"] for n in cfg.module_shapes() if _has_bias(cfg, n)},
+        ))
+    embed = got["model.embed_tokens.weight"]
+    return ModelWeights(embed=embed, layers=layers, norm=got["model.norm.weight"],
+                        lm_head=embed if cfg.tie_word_embeddings else got["lm_head.weight"])

@@ -1,0 +1,1 @@
+"""Wire protocol between clients, the daemon and its children (torch-free)."""

@@ -1,0 +1,15 @@
+"""Build the loraplex._C extension (pybind11) from csrc/; everything else is in pyproject.toml."""
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+setup(
+    ext_modules=[
+        Pybind11Extension(
+            "loraplex._C",
+            sorted(["csrc/module.cpp"]),
+            cxx_std=17,
+            extra_compile_args=["-O3"],
+        )
+    ],
+    cmdclass={"build_ext": build_ext},
+)

@@ -1,0 +1,18 @@
+"""Shared fixtures: the demo model in a per-session temp dir (never the user's cache),
+and reference generation through transformers + PEFT (test-only dependencies)."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Set before anything can resolve the default demo location.
+os.environ.setdefault("LORAPLEX_CACHE_DIR", tempfile.mkdtemp(prefix="loraplex-test-cache-"))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def demo():
+    from loraplex.gpu_engine.demo import ensure_demo_model
+
+    return ensure_demo_model()

@@ -1,0 +1,1 @@
+"""Textual admin console (torch-free)."""
