@@ -14,11 +14,18 @@ namespace {
 // A writable, C-contiguous buffer viewed as 64-bit words; index checked and aligned.
 std::atomic<uint64_t>* word_at(py::buffer buf, py::ssize_t index) {
     py::buffer_info info = buf.request(/*writable=*/true);
-    if (info.ndim != 1 && info.ndim != 0) {
-        // Any contiguous buffer is accepted; its total byte size is what counts.
+    // Any C-contiguous buffer is accepted; its total byte size is what counts. A strided
+    // view (a[:, 0], mv[::-1]) would map word `index` outside the elements it exposes.
+    py::ssize_t expect = info.itemsize;
+    for (py::ssize_t d = info.ndim - 1; d >= 0 && info.size > 0; --d) {
+        if (info.shape[d] != 1 && info.strides[d] != expect) {
+            throw std::invalid_argument("buffer is not C-contiguous");
+        }
+        expect *= info.shape[d];
     }
     const py::ssize_t nbytes = info.size * info.itemsize;
-    if (index < 0 || (index + 1) * static_cast<py::ssize_t>(sizeof(uint64_t)) > nbytes) {
+    // Compare in words: (index + 1) * 8 overflows for huge indices and wraps back into range.
+    if (index < 0 || index >= nbytes / static_cast<py::ssize_t>(sizeof(uint64_t))) {
         throw py::index_error("word index out of range for buffer");
     }
     auto addr = reinterpret_cast<uintptr_t>(info.ptr) + index * sizeof(uint64_t);

@@ -18,7 +18,7 @@ from loraplex.gpu_engine.model.llama import ForwardBatch, LlamaModel, RowSpan
 from loraplex.gpu_engine.model.weights import ModelWeights
 from loraplex.gpu_engine.pool import UnifiedPool
 from loraplex.gpu_engine.sampler import sample
-from loraplex.ipc.engine_plan import RowResult, StepPlan, StepResult
+from loraplex.ipc.engine_plan import RowPlan, RowResult, StepPlan, StepResult
 
 
 @dataclass(slots=True)
@@ -57,10 +57,12 @@ class Executor:
             entry = self.host[placement.name]
             self.resident[placement.name] = place_adapter(self.pool, entry.adapter, entry.layout, placement.pages)
         t0 = time.perf_counter()
-        batch = self._build_batch(plan)
+        # Rows sorted by adapter make each adapter one contiguous token segment (SGMV-style).
+        ordered = sorted(plan.rows, key=lambda r: (r.adapter is not None, r.adapter or ""))
+        batch = self._build_batch(ordered)
         logits = self.model.forward(batch, self.pool)
         t1 = time.perf_counter()
-        sampled_rows = [r for r in plan.rows if r.sample]
+        sampled_rows = [r for r in ordered if r.sample]
         tokens, logprobs = sample(logits, [r.sampling for r in sampled_rows], [r.sample_index for r in sampled_rows])
         rows = [
             RowResult(request_id=r.request_id, token_id=t, logprob=lp if r.sampling.logprobs else None)
@@ -69,16 +71,16 @@ class Executor:
         t2 = time.perf_counter()
         return StepResult(step_id=plan.step_id, rows=rows, forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3)
 
-    def _build_batch(self, plan: StepPlan) -> ForwardBatch:
+    def _build_batch(self, rows: list[RowPlan]) -> ForwardBatch:
         token_ids: list[int] = []
         positions: list[int] = []
         page_ids: list[int] = []
         slots: list[int] = []
         spans: list[RowSpan] = []
         samples: list[int] = []
-        by_adapter: dict[str, list[int]] = {}
+        segments: list[LoraGroup] = []
         pt = self.geometry.page_tokens
-        for row in plan.rows:
+        for row in rows:
             first = len(token_ids)
             n = len(row.token_ids)
             context = row.start_pos + n
@@ -97,7 +99,10 @@ class Executor:
             if row.adapter is not None:
                 if row.adapter not in self.resident:
                     raise ValueError(f"row {row.request_id}: adapter {row.adapter!r} is not placed in the pool")
-                by_adapter.setdefault(row.adapter, []).extend(range(first, first + n))
+                if segments and segments[-1].lora.name == row.adapter:
+                    segments[-1].end += n
+                else:
+                    segments.append(LoraGroup(self.resident[row.adapter], first, first + n))
 
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -109,5 +114,5 @@ class Executor:
             kv_slots=as_tensor(slots),
             rows=spans,
             sample_tokens=as_tensor(samples),
-            lora_groups=[LoraGroup(self.resident[name], as_tensor(idx)) for name, idx in by_adapter.items()],
+            lora_groups=segments,
         )

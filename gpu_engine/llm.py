@@ -155,7 +155,11 @@ class LLM:
             plan = self.scheduler.schedule()
             if plan is None:
                 raise RuntimeError("scheduler made no progress with requests queued (pool too small?)")
-            result = self.executor.execute(plan)
+            try:
+                result = self.executor.execute(plan)
+            except BaseException:
+                self.scheduler.discard_inflight()
+                raise
             self.scheduler.apply(plan, result)
 
     def _make_request(self, prompt: Prompt, adapter: str | None, params: SamplingParams) -> SeqRequest:

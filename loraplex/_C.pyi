@@ -1,5 +1,5 @@
 """Type stub for the native extension built from csrc/ (kept in step by tests/test_native.py)."""
-from collections.abc import Buffer
+from typing_extensions import Buffer  # collections.abc.Buffer is 3.12+; the package supports 3.10
 
 def atomic_fetch_add(buf: Buffer, index: int, value: int) -> int: ...
 def atomic_load(buf: Buffer, index: int) -> int: ...

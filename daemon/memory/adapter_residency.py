@@ -67,6 +67,7 @@ class AdapterResidency:
         if entry.refs <= 0:
             raise ValueError(f"adapter {name} released more often than acquired")
         entry.refs -= 1
+        self._resident.move_to_end(name)  # it was in use until now: most recently used
 
     def make_room(self, num_pages: int) -> bool:
         """Evict unreferenced adapters (LRU first) until `num_pages` are free."""

@@ -42,6 +42,8 @@ class PageGeometry:
                   page_tokens: int | None = None) -> PageGeometry:
         """Smallest power-of-two page_tokens >= the default that fits every row."""
         widest = max(max(shape) for shape in module_shapes.values())
+        if kv_dim <= 0:
+            raise ValueError("kv_dim must be positive")  # before the doubling loop, which would never end
         if page_tokens is None:
             page_tokens = DEFAULT_PAGE_TOKENS
             while page_tokens * 2 * kv_dim < widest:
@@ -104,6 +106,8 @@ def plan_adapter_layout(geometry: PageGeometry, module_shapes: dict[str, tuple[i
         rows += [(fan_in, name, "a", j) for j in range(rank)]
         rows += [(fan_out, name, "b", j) for j in range(rank)]
     rows.sort(key=lambda r: -r[0])
+    if rows and rows[0][0] > page_elems:
+        raise ValueError(f"{rows[0][1]} has rows of {rows[0][0]} elements, wider than a page ({page_elems})")
     fill: list[int] = []  # used elements per page
     placed: dict[tuple[str, str, int], tuple[int, int]] = {}
     for width, name, kind, j in rows:

@@ -48,12 +48,17 @@ class FcfsScheduler:
         self._by_id: dict[str, Sequence] = {}
         self._step_ids = itertools.count()
         self._fed: dict[str, int] = {}  # request id -> tokens fed in the plan in flight
+        self.num_preemptions = 0
+        self._inflight: int | None = None  # step id of the plan whose result is awaited
 
     # ---- queue ----------------------------------------------------------------------------
     def add(self, req: SeqRequest) -> Sequence:
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.request_id!r} has an empty prompt")
         if req.request_id in self._by_id:
             raise DuplicateRequestError(f"request id {req.request_id!r} is already in flight")
-        worst_len = min(len(req.prompt_ids) + req.max_tokens, self.config.max_model_len)
+        # The whole prompt is prefilled even past max_model_len, so it bounds the need from below.
+        worst_len = max(len(req.prompt_ids), min(len(req.prompt_ids) + req.max_tokens, self.config.max_model_len))
         need = self.geometry.kv_pages_for(worst_len)
         if req.adapter is not None:
             need += self._adapter_pages(req.adapter)
@@ -80,7 +85,7 @@ class FcfsScheduler:
 
     # ---- planning ----------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        if self._fed:
+        if self._inflight is not None:
             raise RuntimeError("schedule() called before the previous plan's result was applied")
         budget = self.config.max_batched_tokens
         rows: list[RowPlan] = []
@@ -104,7 +109,15 @@ class FcfsScheduler:
         if not rows:
             return None
         changes = self.adapters.take_changes()
-        return StepPlan(step_id=next(self._step_ids), rows=rows, place=changes.place, evict=changes.evict)
+        plan = StepPlan(step_id=next(self._step_ids), rows=rows, place=changes.place, evict=changes.evict)
+        self._inflight = plan.step_id
+        return plan
+
+    def discard_inflight(self) -> None:
+        """The engine failed to run the plan in flight: nothing it planned was computed, so the
+        same tokens are simply planned again (pages and adapter placements stay valid)."""
+        self._inflight = None
+        self._fed.clear()
 
     def _row(self, seq: Sequence, n: int) -> RowPlan:
         start = seq.num_computed
@@ -156,12 +169,16 @@ class FcfsScheduler:
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self._fed.pop(seq.request_id, None)
         self.waiting.appendleft(seq)
 
     # ---- results ----------------------------------------------------------------------------
     def apply(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """Fold sampled tokens into the sequences; return those that finished in this step."""
+        if plan.step_id != self._inflight or result.step_id != plan.step_id:
+            raise ValueError(f"result of step {result.step_id} does not match the plan in flight ({self._inflight})")
+        self._inflight = None
         sampled = {r.request_id: r for r in result.rows}
         finished: list[Sequence] = []
         for row in plan.rows:

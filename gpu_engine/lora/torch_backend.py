@@ -2,8 +2,8 @@
 with A and B^T rows read from the unified pool through each adapter's row
 offsets (the reference the Triton kernels are checked against).
 
-Rows without an adapter cost nothing: only tokens of an adapter's group are
-gathered and multiplied.
+Rows without an adapter cost nothing: only the token segment of each adapter
+is multiplied.
 """
 from __future__ import annotations
 
@@ -49,8 +49,12 @@ def place_adapter(pool: UnifiedPool, adapter: HostAdapter, layout: AdapterLayout
 
 @dataclass(slots=True)
 class LoraGroup:
+    """A segment of the step's flattened tokens that all use one adapter
+    (the executor orders rows by adapter, so each adapter is one segment)."""
+
     lora: ResidentLora
-    tokens: torch.Tensor  # [n] indices into the step's flattened tokens
+    start: int
+    end: int
 
 
 class TorchLoraBackend:
@@ -63,6 +67,5 @@ class TorchLoraBackend:
                 continue
             a = pool_layer[idx[0]]  # [r, in]
             bt = pool_layer[idx[1]]  # [r, out]
-            xs = x.index_select(0, group.tokens)
-            delta = (xs @ a.t()) @ bt * group.lora.scaling
-            out.index_add_(0, group.tokens, delta)
+            segment = slice(group.start, group.end)
+            out[segment] += (x[segment] @ a.t()) @ bt * group.lora.scaling

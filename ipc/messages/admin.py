@@ -1,0 +1,110 @@
+"""Requests and the success reply of the admin socket (console, operators).
+
+Owns add/remove/pin adapter, drain and set_policy, and `admin_ok`. Failures
+are answered with the common `error` reply. Every admin request may carry a
+`request_id`, echoed in its reply, because several can be in flight and some
+(add, drain) finish out of order. Never performs the operation itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from loraplex.ipc.messages.base import Message, register
+from loraplex.ipc.messages.checks import check_float, check_name, check_optional_request_id, check_path
+
+MAX_DRAIN_TIMEOUT_S = 3600.0
+POLICY_KINDS = ("scheduler", "cache")
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class AddAdapterRequest(Message):
+    """Register the adapter at `path` (absolute, on the daemon's host) as `name`."""
+
+    TYPE = "add_adapter"
+
+    name: str
+    path: str
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        check_name("name", self.name)
+        check_path("path", self.path)
+        check_optional_request_id(self.request_id)
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class RemoveAdapterRequest(Message):
+    """Unregister `name`; requests already running with it finish first."""
+
+    TYPE = "remove_adapter"
+
+    name: str
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        check_name("name", self.name)
+        check_optional_request_id(self.request_id)
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class PinAdapterRequest(Message):
+    """Pin (keep GPU-resident, never evict) or unpin `name`."""
+
+    TYPE = "pin_adapter"
+
+    name: str
+    pinned: bool = True
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        check_name("name", self.name)
+        check_optional_request_id(self.request_id)
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class DrainRequest(Message):
+    """Stop admitting requests and wait up to `timeout_s` for running ones."""
+
+    TYPE = "drain"
+
+    timeout_s: float = 30.0
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        check_float("timeout_s", self.timeout_s, 0.0, MAX_DRAIN_TIMEOUT_S, lo_open=True)
+        check_optional_request_id(self.request_id)
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class SetPolicyRequest(Message):
+    """Switch the scheduling or cache-eviction policy to the one named `name`."""
+
+    TYPE = "set_policy"
+
+    kind: Literal["scheduler", "cache"]
+    name: str
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        check_name("name", self.name)
+        check_optional_request_id(self.request_id)
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class AdminOkReply(Message):
+    """An admin request succeeded; `detail` says what happened (free-form)."""
+
+    TYPE = "admin_ok"
+
+    detail: dict[str, object] = field(default_factory=dict)
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        check_optional_request_id(self.request_id)

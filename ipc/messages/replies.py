@@ -1,0 +1,205 @@
+"""Replies the daemon sends on the client socket (and, for stats, on PUB).
+
+Owns token/done/error/adapter_list/stats_snapshot/pong and their rules,
+plus the conversions between error replies and exceptions. Never decides
+what a reply should say; the daemon does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
+from loraplex.ipc.messages.base import Message, register
+from loraplex.ipc.messages.checks import (
+    MAX_PATH_LEN,
+    check_len,
+    check_name,
+    check_optional_request_id,
+    check_request_id,
+    check_token_ids,
+    invalid,
+)
+
+MAX_COMPLETION_TOKEN_IDS = 1 << 20
+MAX_ERROR_MESSAGE_LEN = 4096
+# How the adapter reached the GPU for this request (DESIGN §3).
+ADAPTER_PATHS = ("base", "cached", "loaded", "cpu_assisted")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+# Timings present in every `done`; TTFT and time per token only exist once a
+# token was produced, so they are required only then.
+ALWAYS_TIMINGS = ("queue_ms", "e2e_ms")
+TOKEN_TIMINGS = ("ttft_ms", "tpt_ms")
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class TokenChunk(Message):
+    """Streamed tokens of one request. `index` is the position in the
+    completion of this chunk's first token, so gaps are detectable.
+    `logprobs`, when requested, has one entry per token id."""
+
+    TYPE = "token"
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[float] | None = None
+    index: int = 0
+
+    def validate(self) -> None:
+        check_request_id("request_id", self.request_id)
+        check_token_ids("token_ids", self.token_ids, max_len=MAX_COMPLETION_TOKEN_IDS)
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise invalid(f"logprobs: {len(self.logprobs)} entries for {len(self.token_ids)} token ids")
+        if self.index < 0:
+            raise invalid(f"index: must be >= 0, got {self.index}")
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class DoneReply(Message):
+    """The last reply of every generate that was accepted.
+
+    token_ids/text: the whole completion (also when it was streamed).
+    usage: at least prompt_tokens and completion_tokens (ints >= 0).
+    timings: at least queue_ms, e2e_ms and adapter_path (one of
+    ADAPTER_PATHS); ttft_ms and tpt_ms too once a token was produced. Numeric
+    timings are milliseconds >= 0; extra keys are allowed.
+    """
+
+    TYPE = "done"
+
+    request_id: str
+    finish_reason: FinishReason
+    usage: dict[str, int]
+    timings: dict[str, float | str]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+    def validate(self) -> None:
+        check_request_id("request_id", self.request_id)
+        check_token_ids("token_ids", self.token_ids, max_len=MAX_COMPLETION_TOKEN_IDS)
+        for key in ("prompt_tokens", "completion_tokens"):
+            if key not in self.usage:
+                raise invalid(f"usage: missing {key!r}")
+        for key, value in self.usage.items():
+            if value < 0:
+                raise invalid(f"usage.{key}: must be >= 0, got {value}")
+        required = ALWAYS_TIMINGS + (TOKEN_TIMINGS if self.usage["completion_tokens"] > 0 else ())
+        for key in required + ("adapter_path",):
+            if key not in self.timings:
+                raise invalid(f"timings: missing {key!r}")
+        for key, value in self.timings.items():
+            if key == "adapter_path":
+                if value not in ADAPTER_PATHS:
+                    raise invalid(f"timings.adapter_path: must be one of {ADAPTER_PATHS}, got {value!r}")
+            elif isinstance(value, float) and value < 0:
+                raise invalid(f"timings.{key}: must be >= 0, got {value}")
+            elif key in required and not isinstance(value, float):
+                raise invalid(f"timings.{key}: must be a number of milliseconds, got {value!r}")
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class ErrorReply(Message):
+    """A request failed. `code` is an ErrorCode value; `request_id` names the
+    request when it could be read (None for undecodable frames)."""
+
+    TYPE = "error"
+
+    request_id: str | None
+    code: str
+    message: str
+
+    def validate(self) -> None:
+        check_optional_request_id(self.request_id)
+        if self.code not in _CODES:
+            raise invalid(f"code: unknown error code {self.code[:64]!r}")
+        check_len("message", self.message, 0, MAX_ERROR_MESSAGE_LEN)
+
+    @property
+    def error_code(self) -> ErrorCode:
+        return ErrorCode(self.code)
+
+    @classmethod
+    def from_error(cls, error: ProtocolError | LoraplexError, request_id: str | None = None) -> ErrorReply:
+        """The reply for an exception; long messages are cut to fit, and a
+        request id that is not itself valid is dropped rather than failing."""
+        rid = request_id if request_id is not None else error.request_id
+        try:
+            check_optional_request_id(rid)
+        except ProtocolError:
+            rid = None
+        return cls(request_id=rid, code=error.code.value, message=error.message[:MAX_ERROR_MESSAGE_LEN])
+
+    def to_exception(self) -> LoraplexError:
+        """What the client library raises for this reply."""
+        return LoraplexError(self.error_code, self.message, self.request_id)
+
+
+_CODES = frozenset(code.value for code in ErrorCode)
+
+
+def _check_adapter_entry(where: str, entry: dict[str, object]) -> None:
+    name, path, rank = entry.get("name"), entry.get("path"), entry.get("rank")
+    modules, state = entry.get("target_modules"), entry.get("state")
+    if not isinstance(name, str):
+        raise invalid(f"{where}.name: expected str, got {type(name).__name__}")
+    check_name(f"{where}.name", name)
+    if not isinstance(path, str) or not 1 <= len(path) <= MAX_PATH_LEN:
+        raise invalid(f"{where}.path: expected a str of 1..{MAX_PATH_LEN} chars")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise invalid(f"{where}.rank: expected an int >= 1, got {rank!r}")
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise invalid(f"{where}.target_modules: expected a list of str")
+    if not isinstance(state, str) or not 1 <= len(state) <= 64:
+        raise invalid(f"{where}.state: expected a str of 1..64 chars")
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class AdaptersReply(Message):
+    """Registered adapters. Each entry has at least name, path, rank (>= 1),
+    target_modules (list of str) and state (non-empty str); extra keys are
+    informational (pinned, hits, resident pages...)."""
+
+    TYPE = "adapter_list"
+
+    adapters: list[dict[str, object]]
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        check_optional_request_id(self.request_id)
+        for i, entry in enumerate(self.adapters):
+            _check_adapter_entry(f"adapters[{i}]", entry)
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class StatsReply(Message):
+    """A metrics snapshot: free-form map of plain values (finite floats only).
+    Answers `stats` on the client socket and is what the stats PUB streams."""
+
+    TYPE = "stats_snapshot"
+
+    stats: dict[str, object]
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        check_optional_request_id(self.request_id)
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class PongReply(Message):
+    """Answer to `ping`."""
+
+    TYPE = "pong"
+
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        check_optional_request_id(self.request_id)

@@ -1,0 +1,124 @@
+"""The loraplex wire protocol: every message type, the registry, the version.
+
+The single import point for message classes. Importing it loads every
+declaration module under `loraplex.ipc.messages`, so the registry that
+`codec.decode` consults is complete. Adding a message type is one
+`@register`-ed dataclass in one of those modules (plus its import below when
+the module is new). Holds no I/O and no serving logic.
+"""
+from __future__ import annotations
+
+from loraplex.ipc.messages.admin import (
+    MAX_DRAIN_TIMEOUT_S,
+    POLICY_KINDS,
+    AddAdapterRequest,
+    AdminOkReply,
+    DrainRequest,
+    PinAdapterRequest,
+    RemoveAdapterRequest,
+    SetPolicyRequest,
+)
+from loraplex.ipc.messages.base import (
+    PROTOCOL_VERSION,
+    RESERVED_KEYS,
+    Message,
+    build,
+    message_class,
+    message_types,
+    register,
+)
+from loraplex.ipc.messages.checks import (
+    MAX_NAME_LEN,
+    MAX_PATH_LEN,
+    MAX_REQUEST_ID_LEN,
+    MAX_TOKEN_ID,
+    is_valid_name,
+)
+from loraplex.ipc.messages.client import (
+    MAX_NEW_TOKENS,
+    MAX_PROMPT_TOKEN_IDS,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    CancelRequest,
+    GenerateRequest,
+    ListAdaptersRequest,
+    PingRequest,
+    StatsRequest,
+)
+from loraplex.ipc.messages.replies import (
+    ADAPTER_PATHS,
+    FINISH_REASONS,
+    MAX_ERROR_MESSAGE_LEN,
+    AdaptersReply,
+    DoneReply,
+    ErrorReply,
+    PongReply,
+    StatsReply,
+    TokenChunk,
+)
+
+# The requests each socket accepts; the daemon answers anything else with
+# `error` (unknown_type) rather than routing admin work through the client
+# socket.
+CLIENT_REQUESTS: tuple[type[Message], ...] = (
+    GenerateRequest,
+    CancelRequest,
+    ListAdaptersRequest,
+    StatsRequest,
+    PingRequest,
+)
+ADMIN_REQUESTS: tuple[type[Message], ...] = (
+    AddAdapterRequest,
+    RemoveAdapterRequest,
+    PinAdapterRequest,
+    DrainRequest,
+    SetPolicyRequest,
+    ListAdaptersRequest,
+    StatsRequest,
+    PingRequest,
+)
+
+__all__ = [
+    "ADAPTER_PATHS",
+    "ADMIN_REQUESTS",
+    "CLIENT_REQUESTS",
+    "FINISH_REASONS",
+    "MAX_DRAIN_TIMEOUT_S",
+    "MAX_ERROR_MESSAGE_LEN",
+    "MAX_NAME_LEN",
+    "MAX_NEW_TOKENS",
+    "MAX_PATH_LEN",
+    "MAX_PROMPT_TOKEN_IDS",
+    "MAX_REQUEST_ID_LEN",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_LEN",
+    "MAX_STOP_TOKEN_IDS",
+    "MAX_TOKEN_ID",
+    "POLICY_KINDS",
+    "PROTOCOL_VERSION",
+    "RESERVED_KEYS",
+    "AdaptersReply",
+    "AddAdapterRequest",
+    "AdminOkReply",
+    "CancelRequest",
+    "DoneReply",
+    "DrainRequest",
+    "ErrorReply",
+    "GenerateRequest",
+    "ListAdaptersRequest",
+    "Message",
+    "PinAdapterRequest",
+    "PingRequest",
+    "PongReply",
+    "RemoveAdapterRequest",
+    "SetPolicyRequest",
+    "StatsReply",
+    "StatsRequest",
+    "TokenChunk",
+    "build",
+    "is_valid_name",
+    "message_class",
+    "message_types",
+    "register",
+]
