@@ -12,9 +12,11 @@ import torch
 
 from loraplex.daemon.memory.geometry import AdapterLayout, PageGeometry, plan_adapter_layout
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
-from loraplex.gpu_engine.lora.torch_backend import LoraGroup, ResidentLora, TorchLoraBackend, place_adapter
+from loraplex.gpu_engine.lora.backend import make_lora_backend
+from loraplex.gpu_engine.lora.torch_backend import LoraGroup, ResidentLora, place_adapter
 from loraplex.gpu_engine.model.config import ModelConfig
-from loraplex.gpu_engine.model.llama import ForwardBatch, LlamaModel, RowSpan
+from loraplex.gpu_engine.model.batch import ForwardBatch, RowSpan
+from loraplex.gpu_engine.model.llama import LlamaModel
 from loraplex.gpu_engine.model.weights import ModelWeights
 from loraplex.gpu_engine.pool import UnifiedPool
 from loraplex.gpu_engine.sampler import sample
@@ -29,12 +31,12 @@ class HostEntry:
 
 class Executor:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, geometry: PageGeometry, num_pages: int, *,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, lora_backend: str = "torch") -> None:
         self.cfg = cfg
         self.device = device
         self.geometry = geometry
         self.pool = UnifiedPool(cfg.num_layers, num_pages, geometry, device=device, dtype=dtype)
-        self.model = LlamaModel(cfg, weights, TorchLoraBackend())
+        self.model = LlamaModel(cfg, weights, make_lora_backend(lora_backend))
         self.host: dict[str, HostEntry] = {}
         self.resident: dict[str, ResidentLora] = {}
 

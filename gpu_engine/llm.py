@@ -22,6 +22,7 @@ from loraplex.daemon.scheduler.fcfs import FcfsScheduler, SchedulerConfig
 from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
 from loraplex.errors import AdapterError, InvalidTokenError, PromptTooLongError, UnknownAdapterError
 from loraplex.gpu_engine.executor import Executor
+from loraplex.gpu_engine.lora.backend import LORA_BACKENDS
 from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.weights import load_weights
@@ -54,10 +55,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        if lora_backend == "triton":
-            raise ValueError("lora_backend='triton' is not available yet in this build; use lora_backend='torch'")
-        if lora_backend != "torch":
-            raise ValueError(f"lora_backend must be 'torch' or 'triton', got {lora_backend!r}")
+        if lora_backend not in LORA_BACKENDS:
+            raise ValueError(f"lora_backend must be one of {LORA_BACKENDS}, got {lora_backend!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} requested but CUDA is not available")
         if not isinstance(max_lora_rank, int) or max_lora_rank <= 0:
@@ -75,7 +74,8 @@ class LLM:
         self.geometry = PageGeometry.for_model(self.config.module_shapes(), self.config.kv_dim, page_tokens)
         if num_pages is None:
             num_pages = self._default_num_pages(pool_bytes, gpu_memory_utilization)
-        self.executor = Executor(self.config, weights, self.geometry, num_pages, device=self.device, dtype=self.dtype)
+        self.executor = Executor(self.config, weights, self.geometry, num_pages, device=self.device, dtype=self.dtype,
+                                 lora_backend=lora_backend)
         self.allocator = PageAllocator(num_pages)
         capacity = num_pages * self.geometry.page_tokens
         limit = min(self.config.max_position_embeddings, capacity)

@@ -24,6 +24,7 @@ class ResidentLora:
     rank: int
     scaling: float
     index: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> ([r, in], [r, out]) element indices
+    row_offsets: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> ([r], [r]) first element of each row
 
 
 def _row_index(offsets: list[int], width: int, device: torch.device) -> torch.Tensor:
@@ -36,15 +37,18 @@ def place_adapter(pool: UnifiedPool, adapter: HostAdapter, layout: AdapterLayout
     device = pool.data.device
     offsets = layout.row_offsets(pages, pool.geometry.page_elems)
     index: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    row_offsets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for module, (a_off, b_off) in offsets.items():
         rows = layout.modules[module]
         index[module] = (_row_index(a_off, rows.in_features, device), _row_index(b_off, rows.out_features, device))
+        row_offsets[module] = (index[module][0][:, 0].clone(), index[module][1][:, 0].clone())
     for layer in range(pool.data.shape[0]):
         flat = pool.layer_flat(layer)
         for module, (a_idx, b_idx) in index.items():
             flat[a_idx] = adapter.a[layer][module].to(device=device, dtype=pool.data.dtype)
             flat[b_idx] = adapter.b[layer][module].t().to(device=device, dtype=pool.data.dtype)
-    return ResidentLora(name=adapter.name, rank=adapter.spec.rank, scaling=adapter.spec.scaling, index=index)
+    return ResidentLora(name=adapter.name, rank=adapter.spec.rank, scaling=adapter.spec.scaling, index=index,
+                        row_offsets=row_offsets)
 
 
 @dataclass(slots=True)

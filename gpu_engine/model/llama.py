@@ -8,40 +8,16 @@ rotate-half RoPE, SDPA attention) so results match transformers + PEFT.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from loraplex.gpu_engine.lora.torch_backend import LoraGroup, TorchLoraBackend
+from loraplex.gpu_engine.lora.backend import LoraBackend
+from loraplex.gpu_engine.model.attention_torch import TorchPagedAttention
+from loraplex.gpu_engine.model.batch import ForwardBatch
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.rope import Rotary
 from loraplex.gpu_engine.model.weights import LayerWeights, ModelWeights
 from loraplex.gpu_engine.pool import UnifiedPool
-
-
-@dataclass(slots=True)
-class RowSpan:
-    """One sequence's tokens in the flattened step: tokens[first:first+count] sit at
-    positions start_pos..; after this step its KV covers `context` tokens."""
-
-    first: int
-    count: int
-    start_pos: int
-    context: int
-    pages: torch.Tensor  # [pages] int64
-
-
-@dataclass(slots=True)
-class ForwardBatch:
-    token_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    kv_page_ids: torch.Tensor  # [T] page receiving each token's K/V
-    kv_slots: torch.Tensor  # [T] slot inside that page
-    rows: list[RowSpan]
-    sample_tokens: torch.Tensor  # [S] indices of tokens whose logits are needed
-    lora_groups: list[LoraGroup]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,12 +28,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora: TorchLoraBackend) -> None:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora: LoraBackend,
+                 attention: TorchPagedAttention | None = None) -> None:
         self.cfg = cfg
         self.w = weights
         self.lora = lora
         self.rotary = Rotary(cfg, weights.embed.device)
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.attention = attention or TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                          cfg.sliding_window)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: UnifiedPool) -> torch.Tensor:
@@ -93,28 +71,5 @@ class LlamaModel:
         q = Rotary.apply(q, cos, sin)
         k = Rotary.apply(k, cos, sin)
         pool.write_kv(layer_idx, batch.kv_page_ids, batch.kv_slots, k.reshape(tokens, cfg.kv_dim), v)
-        out = torch.empty(tokens, cfg.num_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
-        group = cfg.num_heads // cfg.num_kv_heads
-        for row in batch.rows:
-            keys, values = pool.read_kv(layer_idx, row.pages, row.context)
-            keys = keys.view(row.context, cfg.num_kv_heads, cfg.head_dim).repeat_interleave(group, dim=1)
-            values = values.view(row.context, cfg.num_kv_heads, cfg.head_dim).repeat_interleave(group, dim=1)
-            qr = q[row.first:row.first + row.count]
-            mask = self._mask(row, x.device)
-            o = F.scaled_dot_product_attention(
-                qr.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                attn_mask=mask, scale=self.scale,
-            )  # [heads, count, head_dim]
-            out[row.first:row.first + row.count] = o.transpose(0, 1)
+        out = self.attention.forward(q, layer_idx, batch, pool)
         return out.view(tokens, cfg.q_dim)
-
-    def _mask(self, row: RowSpan, device: torch.device) -> torch.Tensor | None:
-        window = self.cfg.sliding_window
-        if row.count == 1 and (window is None or row.context <= window):
-            return None  # a decode token sees its whole context
-        q_pos = torch.arange(row.start_pos, row.start_pos + row.count, device=device)[:, None]
-        k_pos = torch.arange(row.context, device=device)[None, :]
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask &= (q_pos - k_pos) < window
-        return mask

@@ -1,0 +1,33 @@
+"""The tensors of one continuous-batching step as the model sees them: flattened
+tokens of all rows, where their K/V go, each row's span and page table, and
+the adapter segments."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.gpu_engine.lora.torch_backend import LoraGroup
+
+
+@dataclass(slots=True)
+class RowSpan:
+    """One sequence's tokens in the flattened step: tokens[first:first+count] sit at
+    positions start_pos..; after this step its KV covers `context` tokens."""
+
+    first: int
+    count: int
+    start_pos: int
+    context: int
+    pages: torch.Tensor  # [pages] int64
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    kv_page_ids: torch.Tensor  # [T] page receiving each token's K/V
+    kv_slots: torch.Tensor  # [T] slot inside that page
+    rows: list[RowSpan]
+    sample_tokens: torch.Tensor  # [S] indices of tokens whose logits are needed
+    lora_groups: list[LoraGroup]
