@@ -47,7 +47,54 @@ def _run_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_PROMPTS = (
+    ("The river that runs through the valley", None),
+    ("The river that runs through the valley", "qv-r8"),
+    ("In the morning the old house was quiet", "all-r32"),
+    ("In the morning the old house was quiet", "mlp-r64"),
+    ("She opened the letter and read", "rslora-r16"),
+    ("She opened the letter and read", None),
+)
+
+
+def _configure_demo(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=24, help="new tokens per prompt (default 24)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    """Offline demo: the built-in model answers a few prompts through several adapters in one batch."""
+    import time
+
+    from loraplex.gpu_engine import LLM, SamplingParams
+    from loraplex.gpu_engine.demo import ensure_demo_model
+
+    print("loraplex demo: preparing the built-in demo model ...", file=sys.stderr)
+    demo = ensure_demo_model()
+    llm = LLM(demo.model_dir, device=args.device)
+    for name, path in demo.adapters.items():
+        llm.add_adapter(name, path)
+    print(f"loraplex demo: model {demo.model_dir}, adapters: {', '.join(demo.adapters)}", file=sys.stderr)
+    prompts = [p for p, _ in DEMO_PROMPTS]
+    adapters = [a for _, a in DEMO_PROMPTS]
+    started = time.perf_counter()
+    outs = llm.generate(prompts, adapters=adapters,
+                        sampling=SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))
+    elapsed = time.perf_counter() - started
+    for prompt, adapter, out in zip(prompts, adapters, outs):
+        print(f"[{adapter or 'base'}] {prompt!r} -> {out.text!r}")
+    total = sum(len(o.token_ids) for o in outs)
+    print(f"{len(outs)} requests, {total} tokens in {elapsed:.2f} s ({total / elapsed:.0f} tokens/s, one mixed batch)")
+    print("(the demo weights are random: text is gibberish, but each adapter changes it)")
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
+    "demo": Command(
+        help="offline demo: the built-in model answers prompts through several adapters in one batch",
+        configure=_configure_demo,
+        run=_run_demo,
+    ),
     "demo-model": Command(
         help="write the built-in random demo model and its LoRA adapters (once; reused afterwards)",
         configure=_configure_demo_model,

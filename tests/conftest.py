@@ -16,3 +16,19 @@ def demo():
     from loraplex.gpu_engine.demo import ensure_demo_model
 
     return ensure_demo_model()
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only where CUDA is present."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
