@@ -14,25 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence as Seq
 
-import torch
-
 from loraplex.daemon.memory.allocator import PageAllocator
-from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.daemon.scheduler.fcfs import FcfsScheduler, SchedulerConfig
 from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
 from loraplex.errors import AdapterError, InvalidTokenError, PromptTooLongError, UnknownAdapterError
-from loraplex.gpu_engine.executor import Executor
-from loraplex.gpu_engine.lora.backend import LORA_BACKENDS
+from loraplex.gpu_engine.runtime import EngineSpec, build_runtime
 from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
-from loraplex.gpu_engine.model.config import ModelConfig
-from loraplex.gpu_engine.model.weights import load_weights
-from loraplex.gpu_engine.pool import UnifiedPool
 from loraplex.gpu_engine.sampling_params import SamplingParams
 from loraplex.ipc.engine_plan import SamplingSpec
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-DEFAULT_CPU_POOL_BYTES = 512 << 20
 Prompt = str | list[int]
 
 
@@ -53,33 +44,21 @@ class LLM:
                  pool_bytes: int | None = None, page_tokens: int | None = None, max_num_seqs: int = 64,
                  max_batched_tokens: int = 2048, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.9) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        if lora_backend not in LORA_BACKENDS:
-            raise ValueError(f"lora_backend must be one of {LORA_BACKENDS}, got {lora_backend!r}")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} requested but CUDA is not available")
-        if not isinstance(max_lora_rank, int) or max_lora_rank <= 0:
-            raise ValueError(f"max_lora_rank must be a positive integer, got {max_lora_rank!r}")
-        if model is None:
-            from loraplex.gpu_engine.demo import ensure_demo_model
-
-            model = ensure_demo_model().model_dir
-        self.model_dir = Path(model)
-        self.device = torch.device(device)
-        self.dtype = _DTYPES[dtype]
+        runtime = build_runtime(EngineSpec(
+            model=None if model is None else str(model), device=device, dtype=dtype, max_lora_rank=max_lora_rank,
+            lora_backend=lora_backend, num_pages=num_pages, pool_bytes=pool_bytes, page_tokens=page_tokens,
+            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+        ))
+        self.model_dir = runtime.model_dir
+        self.device = runtime.executor.device
+        self.dtype = runtime.executor.pool.data.dtype
         self.max_lora_rank = max_lora_rank
-        self.config = ModelConfig.from_dir(self.model_dir)
-        weights = load_weights(self.model_dir, self.config, device=self.device, dtype=self.dtype)
-        self.geometry = PageGeometry.for_model(self.config.module_shapes(), self.config.kv_dim, page_tokens)
-        if num_pages is None:
-            num_pages = self._default_num_pages(pool_bytes, gpu_memory_utilization)
-        self.executor = Executor(self.config, weights, self.geometry, num_pages, device=self.device, dtype=self.dtype,
-                                 lora_backend=lora_backend)
+        self.config = runtime.config
+        self.geometry = runtime.geometry
+        self.executor = runtime.executor
+        self.max_model_len = runtime.max_model_len
+        num_pages = runtime.num_pages
         self.allocator = PageAllocator(num_pages)
-        capacity = num_pages * self.geometry.page_tokens
-        limit = min(self.config.max_position_embeddings, capacity)
-        self.max_model_len = min(max_model_len, limit) if max_model_len else limit
         self.scheduler = FcfsScheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
                             max_model_len=self.max_model_len),
@@ -87,15 +66,6 @@ class LLM:
         )
         self.tokenizer = self._load_tokenizer()
         self._ids = itertools.count()
-
-    def _default_num_pages(self, pool_bytes: int | None, utilization: float) -> int:
-        if pool_bytes is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                pool_bytes = int(free * utilization)
-            else:
-                pool_bytes = DEFAULT_CPU_POOL_BYTES
-        return UnifiedPool.pages_for_bytes(self.config.num_layers, self.geometry, self.dtype, pool_bytes)
 
     def _load_tokenizer(self):
         path = self.model_dir / "tokenizer.json"

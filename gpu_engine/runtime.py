@@ -1,0 +1,102 @@
+"""Build an executor from user-level settings: resolve the model directory,
+device, dtype and pool size, load the weights, and lay out the unified pool.
+
+Shared by the offline `LLM` and the engine process so both interpret the
+same knobs the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loraplex.daemon.memory.geometry import PageGeometry
+from loraplex.gpu_engine.executor import Executor
+from loraplex.gpu_engine.lora.backend import LORA_BACKENDS
+from loraplex.gpu_engine.model.config import ModelConfig
+from loraplex.gpu_engine.model.weights import load_weights
+from loraplex.gpu_engine.pool import UnifiedPool
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_POOL_BYTES = 512 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    model: str | None = None  # None = the built-in demo model
+    device: str = "cpu"  # cpu, cuda, cuda:N or auto
+    dtype: str = "float32"  # or auto: bfloat16 on CUDA, float32 on CPU
+    max_lora_rank: int = 256
+    lora_backend: str = "torch"  # or auto: triton on CUDA, torch on CPU
+    num_pages: int | None = None
+    pool_bytes: int | None = None
+    page_tokens: int | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def resolved(self) -> EngineSpec:
+        """Replace the `auto` values by what this machine supports; validate the rest."""
+        cuda = torch.cuda.is_available()
+        device = ("cuda" if cuda else "cpu") if self.device == "auto" else self.device
+        if device.startswith("cuda") and not cuda:
+            raise ValueError(f"device={device!r} requested but CUDA is not available")
+        if device != "cpu" and not device.startswith("cuda"):
+            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {device!r}")
+        dtype = ("bfloat16" if device.startswith("cuda") else "float32") if self.dtype == "auto" else self.dtype
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or auto, got {self.dtype!r}")
+        backend = ("triton" if device.startswith("cuda") else "torch") if self.lora_backend == "auto" \
+            else self.lora_backend
+        if backend not in LORA_BACKENDS:
+            raise ValueError(f"lora_backend must be one of {LORA_BACKENDS} or auto, got {self.lora_backend!r}")
+        if not isinstance(self.max_lora_rank, int) or self.max_lora_rank <= 0:
+            raise ValueError(f"max_lora_rank must be a positive integer, got {self.max_lora_rank!r}")
+        model = self.model
+        if model is None:
+            from loraplex.gpu_engine.demo import ensure_demo_model
+
+            model = str(ensure_demo_model().model_dir)
+        return EngineSpec(model=model, device=device, dtype=dtype, max_lora_rank=self.max_lora_rank,
+                          lora_backend=backend, num_pages=self.num_pages, pool_bytes=self.pool_bytes,
+                          page_tokens=self.page_tokens, max_model_len=self.max_model_len,
+                          gpu_memory_utilization=self.gpu_memory_utilization)
+
+
+@dataclass(slots=True)
+class EngineRuntime:
+    spec: EngineSpec  # resolved
+    config: ModelConfig
+    geometry: PageGeometry
+    executor: Executor
+    num_pages: int
+    max_model_len: int
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.spec.model or "")
+
+
+def build_runtime(spec: EngineSpec) -> EngineRuntime:
+    spec = spec.resolved()
+    model_dir = Path(spec.model or "")
+    device, dtype = torch.device(spec.device), DTYPES[spec.dtype]
+    config = ModelConfig.from_dir(model_dir)
+    weights = load_weights(model_dir, config, device=device, dtype=dtype)
+    geometry = PageGeometry.for_model(config.module_shapes(), config.kv_dim, spec.page_tokens)
+    num_pages = spec.num_pages
+    if num_pages is None:
+        pool_bytes = spec.pool_bytes
+        if pool_bytes is None:
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                pool_bytes = int(free * spec.gpu_memory_utilization)
+            else:
+                pool_bytes = DEFAULT_CPU_POOL_BYTES
+        num_pages = UnifiedPool.pages_for_bytes(config.num_layers, geometry, dtype, pool_bytes)
+    executor = Executor(config, weights, geometry, num_pages, device=device, dtype=dtype,
+                        lora_backend=spec.lora_backend)
+    limit = min(config.max_position_embeddings, num_pages * geometry.page_tokens)
+    max_model_len = min(spec.max_model_len, limit) if spec.max_model_len else limit
+    return EngineRuntime(spec=spec, config=config, geometry=geometry, executor=executor, num_pages=num_pages,
+                         max_model_len=max_model_len)

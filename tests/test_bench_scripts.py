@@ -1,0 +1,115 @@
+"""The bench/ scripts run end to end with small arguments and print well-formed JSON.
+
+Each script runs as a subprocess, as a user would run it; the demo model goes to a
+temporary LORAPLEX_CACHE_DIR. Only shapes and sanity of the numbers are checked here:
+benchmarks are never timed in tests (DESIGN §7).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def run_script(name: str, args: list[str], cache: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "LORAPLEX_CACHE_DIR": str(cache)}
+    return subprocess.run([sys.executable, str(BENCH / name), *args], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def run_json(name: str, args: list[str], cache: Path) -> dict[str, Any]:
+    proc = run_script(name, [*args, "--json"], cache)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)  # the whole of stdout is one JSON object
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One demo install shared by the module's runs."""
+    return tmp_path_factory.mktemp("loraplex-cache")
+
+
+def positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def is_waste(x: Any) -> bool:
+    return isinstance(x, float) and 0.0 <= x < 1.0
+
+
+@pytest.mark.parametrize("mode", ["mixed", "none"])
+def test_engine_throughput_json(cache: Path, mode: str) -> None:
+    report = run_json("engine_throughput.py",
+                      ["--batch", "1", "3", "--max-tokens", "4", "--prompt-len", "8", "--repeats", "1",
+                       "--adapters", mode], cache)
+    assert report["benchmark"] == "engine_throughput"
+    env = report["env"]
+    assert env["device"] == "cpu" and env["device_name"] and env["torch"]
+    assert positive(env["threads"]) and len(env["loadavg_1m"]) == 2
+    assert report["config"]["max_tokens"] == 4 and report["config"]["adapters"] == mode
+    assert [r["batch"] for r in report["results"]] == [1, 3]
+    for r in report["results"]:
+        assert r["output_tokens"] == 4 * r["batch"]  # greedy with ignore_eos runs to max_tokens
+        assert len(r["adapters"]) == r["batch"]
+        if mode == "none":
+            assert r["adapters"] == [None] * r["batch"]
+        for key in ("e2e_s_median", "output_tok_s_median", "prefill_s_median", "prefill_tok_s"):
+            assert positive(r[key]), key
+        assert r["decode_tok_s"] is None or positive(r["decode_tok_s"])
+    mixed = report["results"][1]["adapters"]
+    if mode == "mixed":
+        assert mixed[0] is None and all(isinstance(a, str) for a in mixed[1:])
+
+
+def test_engine_throughput_table(cache: Path) -> None:
+    proc = run_script("engine_throughput.py",
+                      ["--batch", "2", "--max-tokens", "2", "--prompt-len", "4", "--repeats", "1",
+                       "--adapters", "single"], cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "out tok/s" in proc.stdout and "warm-up" in proc.stderr
+
+
+def test_page_waste_json(tmp_path: Path) -> None:
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / "AzureLLMInferenceTrace_conv.csv").write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,10,6\n2023-11-16 18:15:50.99,16,1\n"
+    )
+    report = run_json("page_waste.py", ["--page-tokens", "32", "1", "--traces-dir", str(traces)], tmp_path)
+    assert report["benchmark"] == "page_waste"
+    assert report["ranks"] == [8, 16, 32, 64, 128]
+    # The code trace is absent from this directory and is skipped; the conv one has lengths 16 and 17.
+    assert set(report["kv_distributions"]) == {"uniform_1_4096", "azure_conv_2023"}
+    assert report["kv_distributions"]["azure_conv_2023"]["sequences"] == 2
+    models = {m["name"]: m for m in report["models"]}
+    assert set(models) == {"demo", "llama-2-7b", "llama-3-8b"}
+    assert models["llama-3-8b"]["dims"]["kv_dim"] == 1024
+    for m in models.values():
+        default, extra, too_small = m["geometries"]
+        assert default["default"] and default["page_tokens"] == 16 and extra["page_tokens"] == 32
+        assert "error" in too_small  # one token's K and V cannot hold the widest adapter row
+        for g in (default, extra):
+            assert positive(g["page_elems"]) and positive(g["page_bytes_per_layer"])
+            assert g["page_bytes_all_layers"] == g["page_bytes_per_layer"] * m["dims"]["layers"]
+            for by_rank in g["adapter"].values():
+                assert set(by_rank) == {"8", "16", "32", "64", "128"}
+                for cell in by_rank.values():
+                    assert positive(cell["pages_per_layer"]) and is_waste(cell["waste"])
+            for kv in g["kv"].values():
+                assert is_waste(kv["mean"]) and is_waste(kv["aggregate"])
+        conv = default["kv"]["azure_conv_2023"]
+        assert conv["mean"] == pytest.approx((0.0 + (1 - 17 / 32)) / 2)
+        assert conv["aggregate"] == pytest.approx(1 - 33 / 48)
+        for rp in m["row_pages"]:
+            assert is_waste(rp["kv_waste_per_token"])
+            assert all(is_waste(a["waste"]) for a in rp["adapter"].values())
+    # Llama-2-7B: q/v rows are 4096 wide and a 16-token page holds 32 of them exactly.
+    assert models["llama-2-7b"]["geometries"][0]["adapter"]["qv"]["8"]["waste"] == 0.0
