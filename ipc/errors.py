@@ -44,6 +44,9 @@ class ErrorCode(str, Enum):
     # The engine serving the request died or reported a failure.
     ENGINE_FAILED = "engine_failed"
     SHUTTING_DOWN = "shutting_down"
+    # The daemon cannot be reached, its connection was lost, or it stopped
+    # answering liveness probes (raised by the client library, never sent).
+    UNAVAILABLE = "unavailable"
     # A bug on the daemon side; the message says what.
     INTERNAL = "internal"
 

@@ -46,6 +46,16 @@ from loraplex.ipc.messages.client import (
     PingRequest,
     StatsRequest,
 )
+from loraplex.ipc.messages.engine import (
+    EngineAdapterLoaded,
+    EngineFailure,
+    EngineHello,
+    EngineLoadAdapter,
+    EngineShutdown,
+    EngineStep,
+    EngineStepDone,
+    EngineUnloadAdapter,
+)
 from loraplex.ipc.messages.replies import (
     ADAPTER_PATHS,
     FINISH_REASONS,
@@ -80,6 +90,14 @@ ADMIN_REQUESTS: tuple[type[Message], ...] = (
 )
 
 __all__ = [
+    "EngineAdapterLoaded",
+    "EngineFailure",
+    "EngineHello",
+    "EngineLoadAdapter",
+    "EngineShutdown",
+    "EngineStep",
+    "EngineStepDone",
+    "EngineUnloadAdapter",
     "ADAPTER_PATHS",
     "ADMIN_REQUESTS",
     "CLIENT_REQUESTS",

@@ -89,7 +89,57 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+_SERVE_FLAGS = (
+    # (flag, config key, type, help)
+    ("--model", "model.model", str, "base model directory (default: the built-in demo model)"),
+    ("--device", "model.device", str, "auto, cpu, cuda or cuda:N"),
+    ("--dtype", "model.dtype", str, "auto, float32, bfloat16 or float16"),
+    ("--lora-backend", "model.lora_backend", str, "auto, torch or triton"),
+    ("--max-lora-rank", "model.max_lora_rank", int, "largest adapter rank accepted"),
+    ("--num-pages", "model.num_pages", int, "unified pool size in pages"),
+    ("--max-num-seqs", "scheduler.max_num_seqs", int, "most sequences per iteration"),
+    ("--max-batched-tokens", "scheduler.max_batched_tokens", int, "token budget per iteration"),
+    ("--scheduler", "scheduler.policy", str, "scheduling policy"),
+    ("--runtime-dir", "server.runtime_dir", str, "directory of the daemon's sockets"),
+    ("--state-dir", "server.state_dir", str, "directory of the adapter registry"),
+    ("--tcp-listen", "server.tcp_listen", str, "also serve clients on tcp://HOST:PORT"),
+)
+
+
+def _configure_serve(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=None, help="TOML config file (default: $LORAPLEX_CONFIG)")
+    parser.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
+                        help="register an adapter at start (repeatable)")
+    for flag, key, kind, text in _SERVE_FLAGS:
+        parser.add_argument(flag, dest=key.replace(".", "__"), type=kind, default=None, help=text)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    """Run the daemon in the foreground (torch stays in the engine process)."""
+    from loraplex.daemon.config import ConfigError, load_config, parse_adapter_arg
+    from loraplex.daemon.main import serve
+
+    overrides: dict[str, object] = {}
+    for _, key, _, _ in _SERVE_FLAGS:
+        value = getattr(args, key.replace(".", "__"))
+        if value is not None:
+            overrides[key] = value
+    try:
+        if args.adapter:
+            overrides["adapters"] = [parse_adapter_arg(a) for a in args.adapter]
+        config = load_config(args.config, overrides=overrides)
+    except (ConfigError, OSError) as exc:
+        print(f"loraplex serve: error: {exc}", file=sys.stderr)
+        return 2
+    return serve(config)
+
+
 COMMANDS: dict[str, Command] = {
+    "serve": Command(
+        help="run the daemon in the foreground (Ctrl-C drains and stops)",
+        configure=_configure_serve,
+        run=_run_serve,
+    ),
     "demo": Command(
         help="offline demo: the built-in model answers prompts through several adapters in one batch",
         configure=_configure_demo,
@@ -111,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
         sub = subparsers.add_parser(name, help=command.help, description=command.help)
         command.configure(sub)
     return parser
+
+
+def serve_main() -> int:
+    """`loraplexd`: the daemon entry point, same as `loraplex serve`."""
+    return main(["serve", *sys.argv[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:

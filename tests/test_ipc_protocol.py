@@ -29,14 +29,43 @@ from loraplex.ipc.protocol import (
     SetPolicyRequest,
     StatsReply,
     StatsRequest,
+    EngineAdapterLoaded,
+    EngineFailure,
+    EngineHello,
+    EngineLoadAdapter,
+    EngineShutdown,
+    EngineStep,
+    EngineStepDone,
+    EngineUnloadAdapter,
     TokenChunk,
     message_types,
 )
+from loraplex.ipc.engine_plan import AdapterPlacement, RowPlan, RowResult, SamplingSpec, StepPlan, StepResult
 
 TIMINGS = {"queue_ms": 1.5, "ttft_ms": 20.25, "tpt_ms": 7.0, "e2e_ms": 90.0, "adapter_path": "cpu_assisted"}
 
+_PLAN = StepPlan(
+    step_id=7,
+    rows=[RowPlan(request_id="ab/r1", token_ids=[5, 6, 7], start_pos=3, kv_pages=[9, 2], adapter="sql",
+                  sample=True, sampling=SamplingSpec(temperature=0.5, top_p=0.9, top_k=40, seed=11, logprobs=True),
+                  sample_index=2)],
+    place=[AdapterPlacement(name="sql", pages=[4, 1])],
+    evict=["old"],
+)
+
 # One instance per registered type, every field away from its default.
 SAMPLES: list[Message] = [
+    EngineHello(pid=42, model_dir="/m", device="cuda:0", dtype="bfloat16", vocab_size=512, num_layers=4,
+                hidden_size=256, kv_dim=128, max_model_len=4096, num_pages=100, page_tokens=16, page_elems=4096,
+                eos_token_ids=[2], bos_token_id=1, lora_backend="triton", demo_adapters={"a": "/d/a"}),
+    EngineLoadAdapter(name="sql", path="/adapters/sql"),
+    EngineAdapterLoaded(name="sql", rank=16, target_modules=["q_proj"], num_pages=3, nbytes=1024),
+    EngineUnloadAdapter(name="sql"),
+    EngineStep(plan=_PLAN),
+    EngineStepDone(result=StepResult(step_id=7, rows=[RowResult(request_id="ab/r1", token_id=3, logprob=-0.5)],
+                                     forward_ms=1.5, sample_ms=0.25)),
+    EngineShutdown(),
+    EngineFailure(code="engine_failed", message="boom", subject="7", fatal=True),
     GenerateRequest(
         request_id="req-7f3a",
         prompt_token_ids=[1, 15043, 2],
@@ -226,8 +255,8 @@ REJECTIONS = {
     "bad adapter_path": (_done(timings={**TIMINGS, "adapter_path": "teleported"}), FIELD),
     "negative timing": (_done(timings={**TIMINGS, "queue_ms": -1.0}), FIELD),
     "logprobs length": (_raw(v=1, type="token", request_id="r", token_ids=[1, 2], logprobs=[-1.0]), FIELD),
-    "adapter entry rank 0": (
-        _raw(v=1, type="adapter_list", adapters=[{"name": "a", "path": "/a", "rank": 0, "target_modules": [], "state": "host"}]),
+    "adapter entry rank -1": (
+        _raw(v=1, type="adapter_list", adapters=[{"name": "a", "path": "/a", "rank": -1, "target_modules": [], "state": "host"}]),
         FIELD,
     ),
     "relative adapter path": (_raw(v=1, type="add_adapter", name="a", path="adapters/a"), FIELD),

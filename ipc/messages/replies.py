@@ -151,8 +151,8 @@ def _check_adapter_entry(where: str, entry: dict[str, object]) -> None:
     check_name(f"{where}.name", name)
     if not isinstance(path, str) or not 1 <= len(path) <= MAX_PATH_LEN:
         raise invalid(f"{where}.path: expected a str of 1..{MAX_PATH_LEN} chars")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise invalid(f"{where}.rank: expected an int >= 1, got {rank!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise invalid(f"{where}.rank: expected an int >= 0 (0: not loaded), got {rank!r}")
     if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
         raise invalid(f"{where}.target_modules: expected a list of str")
     if not isinstance(state, str) or not 1 <= len(state) <= 64:
@@ -162,7 +162,7 @@ def _check_adapter_entry(where: str, entry: dict[str, object]) -> None:
 @register
 @dataclass(frozen=True, slots=True)
 class AdaptersReply(Message):
-    """Registered adapters. Each entry has at least name, path, rank (>= 1),
+    """Registered adapters. Each entry has at least name, path, rank (>= 0; 0 when unknown),
     target_modules (list of str) and state (non-empty str); extra keys are
     informational (pinned, hits, resident pages...)."""
 

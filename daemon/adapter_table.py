@@ -1,0 +1,74 @@
+"""The daemon's view of registered adapters: registry records joined with what
+the engine reported when it loaded each one (rank, targets, pages needed).
+
+Torch-free. The registry (SQLite) is the durable list; this table is rebuilt
+from it whenever an engine starts, so a restarted engine gets every adapter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraplex.ipc.protocol import EngineAdapterLoaded
+
+
+@dataclass(slots=True)
+class AdapterEntry:
+    name: str
+    path: str
+    state: str = "registered"  # registered -> ready | error
+    rank: int = 0
+    target_modules: tuple[str, ...] = ()
+    num_pages: int = 0
+    nbytes: int = 0
+    pinned: bool = False
+    error: str | None = None
+    requests: int = 0
+
+    def loaded(self, info: EngineAdapterLoaded) -> None:
+        self.state = "ready"
+        self.rank = info.rank
+        self.target_modules = tuple(info.target_modules)
+        self.num_pages = info.num_pages
+        self.nbytes = info.nbytes
+        self.error = None
+
+    def failed(self, message: str) -> None:
+        self.state = "error"
+        self.error = message
+
+    def to_wire(self, resident: bool, refs: int) -> dict[str, object]:
+        entry: dict[str, object] = {
+            "name": self.name, "path": self.path, "rank": self.rank, "target_modules": list(self.target_modules),
+            "state": self.state, "pinned": self.pinned, "pages": self.num_pages, "bytes": self.nbytes,
+            "resident": resident, "refs": refs, "requests": self.requests,
+        }
+        if self.error:
+            entry["error"] = self.error[:500]
+        return entry
+
+
+class AdapterTable:
+    def __init__(self) -> None:
+        self._entries: dict[str, AdapterEntry] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def get(self, name: str) -> AdapterEntry | None:
+        return self._entries.get(name)
+
+    def put(self, entry: AdapterEntry) -> None:
+        self._entries[entry.name] = entry
+
+    def pop(self, name: str) -> AdapterEntry | None:
+        return self._entries.pop(name, None)
+
+    def entries(self) -> list[AdapterEntry]:
+        return [self._entries[n] for n in sorted(self._entries)]
+
+    def ready(self, name: str) -> bool:
+        entry = self._entries.get(name)
+        return entry is not None and entry.state == "ready"
+
+    def pages(self, name: str) -> int:
+        return self._entries[name].num_pages

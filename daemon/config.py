@@ -1,0 +1,611 @@
+"""The daemon's configuration: frozen dataclasses and the one loader that fills them.
+
+Owns the settings (model, scheduler, server, adapters), their validation, and the
+mapping of defaults < TOML file < LORAPLEX_* environment < command-line flags onto
+them. Must never import torch or numpy, and never touch the filesystem beyond
+reading the TOML file: resolving devices, paths and pools happens where they are used.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import tomllib
+import types
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+
+from loraplex.daemon.registry import is_valid_adapter_name
+
+ENV_PREFIX = "LORAPLEX_"
+ENV_CONFIG = "LORAPLEX_CONFIG"
+ENV_STATE_DIR = "LORAPLEX_STATE_DIR"
+# Short spellings for the settings people set most; each maps onto one "section.field".
+ENV_ALIASES: dict[str, str] = {
+    "LORAPLEX_MODEL": "model.model",
+    "LORAPLEX_RUNTIME_DIR": "server.runtime_dir",
+    ENV_STATE_DIR: "server.state_dir",
+}
+# Scheduling policies the daemon can build; extend when a policy lands in daemon/scheduler.
+SCHEDULER_POLICIES: tuple[str, ...] = ("fcfs",)
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+LORA_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+# Same value as loraplex.ipc.codec.DEFAULT_MAX_MESSAGE_BYTES (not imported: that pulls in zmq).
+DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
+_TCP_ENDPOINT = re.compile(r"tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})")
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+_NONE_WORDS = frozenset({"", "none", "null"})
+# Fields holding filesystem paths: `~` is expanded and relative paths are anchored
+# (at the TOML file's directory for file values, at the working directory otherwise).
+_PATH_KEYS = frozenset({"server.runtime_dir", "server.state_dir", "server.adapter_dirs"})
+
+
+class ConfigError(ValueError):
+    """A setting is unknown, of the wrong type or out of range; `key` names it ("section.field")."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def _help(text: str, example: str | None = None) -> dict[str, str]:
+    """Field metadata: the comment example_toml() writes, and a sample value for unset options."""
+    return {"help": text} if example is None else {"help": text, "example": example}
+
+
+class _Section:
+    """Shared checks of the section dataclasses: field types first, then ranges."""
+
+    __slots__ = ()
+    SECTION: ClassVar[str] = ""
+
+    def _check_types(self) -> None:
+        for name, hint in _hints(type(self)).items():
+            key = f"{self.SECTION}.{name}"
+            object.__setattr__(self, name, _convert(key, getattr(self, name), hint, where=None, from_text=False))
+
+    def _positive(self, name: str, *, optional: bool = False) -> None:
+        value = getattr(self, name)
+        if optional and value is None:
+            return
+        if value <= 0:
+            raise ConfigError(f"{self.SECTION}.{name} must be positive, got {value}", f"{self.SECTION}.{name}")
+
+    def _finite(self, name: str, *, low: float, high: float = math.inf, low_open: bool = False) -> None:
+        value = getattr(self, name)
+        too_low = value <= low if low_open else value < low
+        if not math.isfinite(value) or too_low or value > high:
+            lower = f"> {low}" if low_open else f">= {low}"
+            upper = "" if math.isinf(high) else f" and <= {high}"
+            raise ConfigError(
+                f"{self.SECTION}.{name} must be a finite number {lower}{upper}, got {value}", f"{self.SECTION}.{name}"
+            )
+
+    def _choice(self, name: str, choices: tuple[str, ...]) -> None:
+        value = getattr(self, name)
+        if value not in choices:
+            raise ConfigError(
+                f"{self.SECTION}.{name} must be one of {', '.join(choices)}; got {value!r}", f"{self.SECTION}.{name}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings(_Section):
+    """The base model, where it runs, and how the unified GPU pool is sized."""
+
+    SECTION: ClassVar[str] = "model"
+
+    model: str | None = field(default=None, metadata=_help(
+        "Base model directory (HF layout); unset = the built-in demo model.", "/srv/models/llama"))
+    device: str = field(default="auto", metadata=_help("auto (cuda if available, else cpu), cpu, cuda or cuda:N."))
+    dtype: str = field(default="auto", metadata=_help("Weight and activation dtype: auto, float32, bfloat16, float16."))
+    max_lora_rank: int = field(default=256, metadata=_help("Largest adapter rank accepted; larger ones are refused."))
+    lora_backend: str = field(default="auto", metadata=_help("LoRA kernels: auto, torch (reference) or triton."))
+    max_model_len: int | None = field(default=None, metadata=_help(
+        "Longest sequence (prompt + output) in tokens; unset = the model's limit.", "4096"))
+    page_tokens: int | None = field(default=None, metadata=_help(
+        "Tokens per KV page of the unified pool; unset = derived from the model.", "16"))
+    num_pages: int | None = field(default=None, metadata=_help(
+        "Pool size in pages (set at most one of num_pages, pool_bytes).", "4096"))
+    pool_bytes: int | None = field(default=None, metadata=_help(
+        "Pool size in bytes; with num_pages also unset, sized from gpu_memory_utilization.", "8589934592"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help(
+        "Fraction of device memory for weights + pool, in (0, 1]."))
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        if self.model is not None and not self.model:
+            raise ConfigError("model.model must be a non-empty path (or unset for the demo model)", "model.model")
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N; got {self.device!r}", "model.device")
+        self._choice("dtype", DTYPES)
+        self._choice("lora_backend", LORA_BACKENDS)
+        self._positive("max_lora_rank")
+        for name in ("max_model_len", "page_tokens", "num_pages", "pool_bytes"):
+            self._positive(name, optional=True)
+        if self.num_pages is not None and self.pool_bytes is not None:
+            raise ConfigError(
+                "model.num_pages and model.pool_bytes both size the pool; set at most one", "model.pool_bytes"
+            )
+        self._finite("gpu_memory_utilization", low=0.0, high=1.0, low_open=True)
+
+    @property
+    def uses_demo_model(self) -> bool:
+        """True when no model is configured and the built-in demo serves."""
+        return self.model is None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSettings(_Section):
+    """Iteration-level batching limits and the policy choosing each batch."""
+
+    SECTION: ClassVar[str] = "scheduler"
+
+    policy: str = field(default="fcfs", metadata=_help(f"Scheduling policy: {', '.join(SCHEDULER_POLICIES)}."))
+    max_num_seqs: int = field(default=64, metadata=_help("Most sequences in one iteration's batch."))
+    max_batched_tokens: int = field(default=2048, metadata=_help("Token budget of one iteration (prefill + decode)."))
+    max_loras_per_batch: int = field(default=64, metadata=_help("Most distinct adapters in one iteration's batch."))
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._choice("policy", SCHEDULER_POLICIES)
+        for name in ("max_num_seqs", "max_batched_tokens", "max_loras_per_batch"):
+            self._positive(name)
+        if self.max_batched_tokens < self.max_num_seqs:
+            # Every running sequence needs at least one token of budget per iteration.
+            raise ConfigError(
+                f"scheduler.max_batched_tokens ({self.max_batched_tokens}) must be >= "
+                f"scheduler.max_num_seqs ({self.max_num_seqs})",
+                "scheduler.max_batched_tokens",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings(_Section):
+    """Where the daemon listens and keeps state, its timeouts and its limits."""
+
+    SECTION: ClassVar[str] = "server"
+
+    runtime_dir: str | None = field(default=None, metadata=_help(
+        "Directory of the daemon's sockets; unset = $XDG_RUNTIME_DIR/loraplex or /tmp/loraplex-UID.",
+        "/run/user/1000/loraplex"))
+    state_dir: str | None = field(default=None, metadata=_help(
+        "Directory of the adapter registry; unset = $XDG_STATE_HOME/loraplex or ~/.local/state/loraplex.",
+        "/var/lib/loraplex"))
+    tcp_listen: str | None = field(default=None, metadata=_help(
+        "Also serve clients on this TCP endpoint (no authentication!).", "tcp://127.0.0.1:5555"))
+    drain_timeout_s: float = field(default=30.0, metadata=_help("Seconds a drain waits for running requests."))
+    engine_start_timeout_s: float = field(default=300.0, metadata=_help("Seconds an engine may take to start."))
+    engine_step_timeout_s: float = field(default=60.0, metadata=_help(
+        "Seconds without a step reply before the engine counts as hung."))
+    max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata=_help("Largest message accepted."))
+    max_clients_inflight: int = field(default=4096, metadata=_help("Most requests in flight over all clients."))
+    stats_interval_s: float = field(default=0.5, metadata=_help("Seconds between stats snapshots on the PUB socket."))
+    adapter_dirs: tuple[str, ...] = field(default=(), metadata=_help(
+        "Adapter paths must lie under one of these directories; empty = anywhere."))
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        for name in ("runtime_dir", "state_dir"):
+            if getattr(self, name) == "":
+                raise ConfigError(f"server.{name} must be a non-empty path or unset", f"server.{name}")
+        if self.tcp_listen is not None:
+            match = _TCP_ENDPOINT.fullmatch(self.tcp_listen)
+            if match is None or not 1 <= int(match["port"]) <= 65535:
+                raise ConfigError(
+                    f"server.tcp_listen must look like tcp://HOST:PORT with PORT in 1..65535, got {self.tcp_listen!r}",
+                    "server.tcp_listen",
+                )
+        self._finite("drain_timeout_s", low=0.0)
+        for name in ("engine_start_timeout_s", "engine_step_timeout_s", "stats_interval_s"):
+            self._finite(name, low=0.0, low_open=True)
+        if self.max_message_bytes < 4096:
+            raise ConfigError(
+                f"server.max_message_bytes must be >= 4096, got {self.max_message_bytes}", "server.max_message_bytes"
+            )
+        self._positive("max_clients_inflight")
+        if any(not d for d in self.adapter_dirs):
+            raise ConfigError("server.adapter_dirs must not contain empty paths", "server.adapter_dirs")
+
+    @property
+    def resolved_runtime_dir(self) -> Path:
+        """runtime_dir, else the ipc layer's default (from $LORAPLEX_RUNTIME_DIR / $XDG_RUNTIME_DIR)."""
+        if self.runtime_dir is not None:
+            return Path(self.runtime_dir).expanduser()
+        from loraplex.ipc.runtime_dir import default_runtime_dir  # lazy: the ipc package imports zmq
+
+        return default_runtime_dir()
+
+    @property
+    def resolved_state_dir(self) -> Path:
+        """state_dir, else default_state_dir() from the process environment."""
+        return Path(self.state_dir).expanduser() if self.state_dir is not None else default_state_dir()
+
+    @property
+    def registry_path(self) -> Path:
+        """The adapter registry database inside the state directory."""
+        return self.resolved_state_dir / "registry.sqlite3"
+
+
+@dataclass(frozen=True, slots=True)
+class LoraplexConfig:
+    """Everything the daemon is configured with; `adapters` are (NAME, absolute DIR) pairs to register at start."""
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
+    adapters: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}", name)
+        seen: set[str] = set()
+        for pair in self.adapters:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(x, str) for x in pair):
+                raise ConfigError(f"adapters: each entry must be a (name, dir) pair of strings, got {pair!r}",
+                                  "adapters")
+            name, path = pair
+            if not is_valid_adapter_name(name):
+                raise ConfigError(
+                    f"adapters: name {name!r} must be 1..128 chars of [A-Za-z0-9._-] (not '.' or '..')", "adapters"
+                )
+            if name in seen:
+                raise ConfigError(f"adapters: name {name!r} is given twice", "adapters")
+            if not os.path.isabs(path):
+                raise ConfigError(f"adapters: directory of {name!r} must be an absolute path, got {path!r}", "adapters")
+            seen.add(name)
+        object.__setattr__(self, "adapters", tuple((name, path) for name, path in self.adapters))
+
+
+SECTIONS: dict[str, type[_Section]] = {"model": ModelSettings, "scheduler": SchedulerSettings, "server": ServerSettings}
+
+
+def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
+    """$LORAPLEX_STATE_DIR, else $XDG_STATE_HOME/loraplex, else ~/.local/state/loraplex."""
+    env = os.environ if env is None else env
+    if env.get(ENV_STATE_DIR):
+        return Path(env[ENV_STATE_DIR]).expanduser()
+    if env.get("XDG_STATE_HOME"):
+        return Path(env["XDG_STATE_HOME"]).expanduser() / "loraplex"
+    return Path.home() / ".local" / "state" / "loraplex"
+
+
+def env_var(key: str) -> str:
+    """The environment variable of "section.field", e.g. LORAPLEX_SCHEDULER_MAX_NUM_SEQS."""
+    return ENV_PREFIX + key.replace(".", "_").upper()
+
+
+def parse_adapter_arg(text: str) -> tuple[str, str]:
+    """Split a `--adapter NAME=DIR` argument; ValueError if either side is missing."""
+    name, sep, path = text.partition("=")
+    name, path = name.strip(), path.strip()
+    if not sep or not name or not path:
+        raise ConfigError(f"adapter must be given as NAME=DIR, got {text!r}", "adapters")
+    return name, path
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+
+def load_config(
+    path: str | os.PathLike[str] | None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> LoraplexConfig:
+    """Build the configuration from defaults < TOML file `path` < `env` < `overrides`.
+
+    `path` None means $LORAPLEX_CONFIG when set, else no file. `env` defaults to
+    os.environ; only LORAPLEX_MODEL_*, LORAPLEX_SCHEDULER_*, LORAPLEX_SERVER_* and the
+    ENV_ALIASES are read (and checked: an unknown field there is an error). `overrides`
+    maps "section.field" (or "adapters") to what the command line gave; a None value
+    means the flag was not given. Adapters merge by name, later sources winning.
+    Raises ConfigError (a ValueError) naming the key and where its value came from.
+    """
+    env = os.environ if env is None else env
+    layers = _Layers()
+    if path is None and env.get(ENV_CONFIG):
+        path = env[ENV_CONFIG]
+    if path is not None:
+        layers.read_file(Path(path).expanduser())
+    layers.read_env(env)
+    if overrides:
+        layers.read_overrides(overrides)
+    return layers.build()
+
+
+class _Layers:
+    """Typed values per "section.field" with the place each came from, applied in precedence order."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, dict[str, object]] = {name: {} for name in SECTIONS}
+        self.where: dict[str, str] = {}
+        self.adapters: dict[str, tuple[str, str]] = {}  # name -> (dir, where)
+
+    def set(self, key: str, raw: object, where: str, *, from_text: bool, base: Path) -> None:
+        section, name = key.split(".", 1)
+        value = _convert(key, raw, _hints(SECTIONS[section])[name], where=where, from_text=from_text)
+        if key in _PATH_KEYS and value is not None:
+            value = tuple(_anchor(p, base) for p in value) if isinstance(value, tuple) else _anchor(value, base)
+        self.values[section][name] = value
+        self.where[key] = where
+
+    def add_adapter(self, name: object, path: object, where: str, base: Path) -> None:
+        if not isinstance(name, str) or not isinstance(path, str) or not path:
+            raise ConfigError(f"adapters: {name!r} must map to a directory string, got {path!r} ({where})", "adapters")
+        self.adapters[name] = (_anchor(path, base), where)
+
+    def read_file(self, path: Path) -> None:
+        where = f"file {path}"
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        base = path.resolve().parent
+        valid_top = [*SECTIONS, "adapters"]
+        for top, table in data.items():
+            if top not in valid_top:
+                raise ConfigError(f"unknown section [{top}] in {where}; valid sections: {', '.join(valid_top)}", top)
+            if not isinstance(table, dict):
+                raise ConfigError(f"{top} must be a table ([{top}]) in {where}, got {table!r}", top)
+            if top == "adapters":
+                for name, adapter_dir in table.items():
+                    self.add_adapter(name, adapter_dir, where, base)
+                continue
+            names = _hints(SECTIONS[top])
+            for name, raw in table.items():
+                if name not in names:
+                    raise ConfigError(
+                        f"unknown setting {top}.{name} in {where}; valid [{top}] settings: {', '.join(names)}",
+                        f"{top}.{name}",
+                    )
+                self.set(f"{top}.{name}", raw, where, from_text=False, base=base)
+
+    def read_env(self, env: Mapping[str, str]) -> None:
+        cwd = Path.cwd()
+        targets: dict[str, tuple[str, str]] = {}  # key -> (variable, text)
+        for var in sorted(env):
+            if var in ENV_ALIASES:
+                key = ENV_ALIASES[var]
+            else:
+                section = next((s for s in SECTIONS if var.startswith(f"{ENV_PREFIX}{s.upper()}_")), None)
+                if section is None:
+                    continue  # another component's variable (LORAPLEX_CACHE_DIR, LORAPLEX_CONFIG, ...)
+                name = var[len(ENV_PREFIX) + len(section) + 1:].lower()
+                if name not in _hints(SECTIONS[section]):
+                    valid = ", ".join(env_var(f"{section}.{n}") for n in _hints(SECTIONS[section]))
+                    raise ConfigError(f"unknown environment variable {var}; valid for [{section}]: {valid}", var)
+                key = f"{section}.{name}"
+            if key in targets and targets[key][1] != env[var]:
+                other = targets[key][0]
+                raise ConfigError(f"{other} and {var} both set {key}, to different values; unset one", key)
+            targets[key] = (var, env[var])
+        for key, (var, text) in targets.items():
+            self.set(key, text, f"environment variable {var}", from_text=True, base=cwd)
+
+    def read_overrides(self, overrides: Mapping[str, object]) -> None:
+        cwd = Path.cwd()
+        valid = [f"{s}.{n}" for s, cls in SECTIONS.items() for n in _hints(cls)] + ["adapters"]
+        for key, raw in overrides.items():
+            if key not in valid:
+                raise ConfigError(f"unknown setting {key!r}; valid: {', '.join(valid)}", key)
+            if raw is None:
+                continue  # flag not given
+            where = f"flag {key}"
+            if key == "adapters":
+                for name, adapter_dir in _adapter_pairs(raw, where):
+                    self.add_adapter(name, adapter_dir, where, cwd)
+            else:
+                self.set(key, raw, where, from_text=isinstance(raw, str), base=cwd)
+
+    def build(self) -> LoraplexConfig:
+        sections: dict[str, Any] = {}
+        for name, cls in SECTIONS.items():
+            try:
+                sections[name] = cls(**self.values[name])
+            except ConfigError as exc:
+                raise self._with_source(exc) from None
+        try:
+            return LoraplexConfig(**sections, adapters=tuple((n, d) for n, (d, _) in self.adapters.items()))
+        except ConfigError as exc:
+            raise self._with_source(exc) from None
+
+    def _with_source(self, exc: ConfigError) -> ConfigError:
+        where = self.where.get(exc.key or "")
+        if where is None and exc.key == "adapters":
+            where = ", ".join(sorted({w for _, w in self.adapters.values()})) or None
+        return ConfigError(f"{exc} (from {where})" if where else str(exc), exc.key)
+
+
+def _adapter_pairs(raw: object, where: str) -> list[tuple[object, object]]:
+    """Adapters from a flag: a mapping, NAME=DIR strings (one or comma-separated) or (name, dir) pairs."""
+    if isinstance(raw, Mapping):
+        return list(raw.items())
+    items = [p for p in raw.split(",") if p.strip()] if isinstance(raw, str) else raw
+    if not isinstance(items, Iterable):
+        raise ConfigError(f"adapters: expected NAME=DIR strings, got {raw!r} ({where})", "adapters")
+    pairs: list[tuple[object, object]] = []
+    for item in items:
+        if isinstance(item, str):
+            pairs.append(parse_adapter_arg(item))
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            pairs.append((item[0], item[1]))
+        else:
+            raise ConfigError(f"adapters: expected NAME=DIR or (name, dir), got {item!r} ({where})", "adapters")
+    return pairs
+
+
+def _anchor(path: str, base: Path) -> str:
+    """Expand `~` and make `path` absolute relative to `base` (lexically; symlinks stay)."""
+    return os.path.abspath(os.path.join(base, os.path.expanduser(path)))
+
+
+@lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    """Field name -> resolved type of a section dataclass, in declaration order."""
+    resolved = get_type_hints(cls)
+    return {f.name: resolved[f.name] for f in fields(cls)}
+
+
+def _convert(key: str, raw: object, hint: Any, *, where: str | None, from_text: bool) -> object:
+    """Check `raw` against `hint` (parsing it first when it is text from env or a flag); ConfigError if it fits not."""
+    origin, args = get_origin(hint), get_args(hint)
+    optional = origin in (Union, types.UnionType) and type(None) in args
+    if optional:
+        if raw is None or (from_text and isinstance(raw, str) and raw.strip().lower() in _NONE_WORDS):
+            return None
+        hint = next(a for a in args if a is not type(None))
+    value = _parse_text(raw, hint) if from_text and isinstance(raw, str) else raw
+    checked = _check_type(value, hint)
+    if checked is _MISMATCH:
+        source = f" (from {where})" if where else ""
+        expected = _describe(hint) + (" or unset" if optional else "")
+        raise ConfigError(f"{key}: expected {expected}, got {raw!r}{source}", key)
+    return checked
+
+
+_MISMATCH = object()
+
+
+def _parse_text(text: str, hint: Any) -> object:
+    """Text (environment, flags) -> the hint's type; returns the text unchanged when it does not parse."""
+    s = text.strip()
+    try:
+        if hint is bool:
+            low = s.lower()
+            return True if low in _TRUE_WORDS else False if low in _FALSE_WORDS else text
+        if hint is int:
+            return int(s)
+        if hint is float:
+            return float(s)
+    except ValueError:
+        return text
+    if get_origin(hint) is tuple:
+        return tuple(part.strip() for part in s.split(",") if part.strip())
+    return text
+
+
+def _check_type(value: object, hint: Any) -> object:
+    """`value` normalised to `hint` (ints widen to float, lists become tuples), or _MISMATCH."""
+    if hint is bool:
+        return value if isinstance(value, bool) else _MISMATCH
+    if hint is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _MISMATCH
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return float(value) if ok else _MISMATCH
+    if hint is str:
+        return value if isinstance(value, str) else _MISMATCH
+    if get_origin(hint) is tuple:
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        return _MISMATCH
+    raise TypeError(f"config field type {hint!r} has no parser")  # a bug in this module, not bad input
+
+
+def _describe(hint: Any) -> str:
+    if get_origin(hint) is tuple:
+        return "a list of strings (comma-separated in the environment)"
+    return {bool: "a boolean (true/false, yes/no, 1/0)", int: "an integer", float: "a number", str: "a string"}[hint]
+
+
+# ---- rendering -------------------------------------------------------------------------------
+
+
+def config_to_dict(cfg: LoraplexConfig) -> dict[str, object]:
+    """Plain dict of every setting (tuples as lists, adapters as name -> dir), for stats and debugging."""
+    out: dict[str, object] = {}
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        out[name] = {f: _plain(getattr(section, f)) for f in _hints(type(section))}
+    out["adapters"] = dict(cfg.adapters)
+    return out
+
+
+def render_toml(cfg: LoraplexConfig, *, comments: bool = True) -> str:
+    """`cfg` as a TOML file that load_config reads back to an equal config; unset options are commented out."""
+    lines: list[str] = []
+    if comments:
+        lines += [
+            "# loraplex configuration.",
+            "# Precedence: built-in defaults < this file < LORAPLEX_* environment < command-line flags.",
+            "# Every setting also reads LORAPLEX_<SECTION>_<FIELD>, e.g. LORAPLEX_SCHEDULER_MAX_NUM_SEQS=8.",
+            "",
+        ]
+    for name, cls in SECTIONS.items():
+        section = getattr(cfg, name)
+        lines.append(f"[{name}]")
+        for f in fields(cls):
+            value = getattr(section, f.name)
+            if comments:
+                lines.append(f"# {f.metadata['help']}  (env {env_var(f'{name}.{f.name}')})")
+            if value is None:
+                if comments:
+                    lines.append(f"# {f.name} = {_toml_value(_example(f.metadata, _hints(cls)[f.name]))}")
+            else:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+        lines.append("")
+    lines.append("[adapters]")
+    if comments:
+        lines.append("# Adapters registered at start: NAME = \"DIR\" (relative paths are relative to this file).")
+        if not cfg.adapters:
+            lines.append('# qv-r8 = "/srv/adapters/qv-r8"')
+    for adapter_name, adapter_dir in cfg.adapters:
+        lines.append(f"{_toml_key(adapter_name)} = {_toml_value(adapter_dir)}")
+    return "\n".join(lines) + "\n"
+
+
+def example_toml() -> str:
+    """A complete commented example file holding the defaults (deploy/loraplex.toml)."""
+    return render_toml(LoraplexConfig())
+
+
+def _example(metadata: Mapping[str, str], hint: Any) -> object:
+    text = metadata.get("example", "")
+    inner = next((a for a in get_args(hint) if a is not type(None)), str)
+    return int(text) if inner is int else text
+
+
+def _plain(value: object) -> object:
+    return list(value) if isinstance(value, tuple) else value
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
+
+
+def _toml_string(s: str) -> str:
+    escaped = []
+    for ch in s:
+        if ch in ('"', "\\"):
+            escaped.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            escaped.append(f"\\u{ord(ch):04x}")
+        else:
+            escaped.append(ch)
+    return '"' + "".join(escaped) + '"'
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return f"{value:_}" if abs(value) >= 10_000 else str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot render {value!r} as TOML")

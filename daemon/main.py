@@ -1,0 +1,128 @@
+"""`loraplex serve` / `loraplexd`: run the daemon in the foreground until
+SIGTERM or SIGINT, then drain in-flight requests and exit 0.
+
+Owns process-level setup: runtime directory, sockets, registry, the engine
+link, signal handling and clean removal of socket files.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+
+import zmq.asyncio
+
+from loraplex.daemon.config import LoraplexConfig
+from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
+from loraplex.daemon.registry import AdapterRegistry, RegistryError, check_adapter_path
+from loraplex.daemon.server import Dispatcher, Listener, publish_stats
+from loraplex.daemon.serving import ServingCore
+from loraplex.ipc.codec import DecodeLimits
+from loraplex.ipc.runtime_dir import endpoints, ensure_runtime_dir
+from loraplex.ipc.socket_options import SocketLimits
+from loraplex.ipc.sockets import make_pub, make_router
+
+log = logging.getLogger("loraplex.daemon")
+
+
+def register_startup_adapters(config: LoraplexConfig, registry: AdapterRegistry) -> None:
+    """Adapters named by --adapter or the config file join the durable registry."""
+    for name, path in config.adapters:
+        resolved = str(check_adapter_path(path, config.server.adapter_dirs))
+        registry.add(name, resolved, source="flag", replace=True)
+
+
+async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = None) -> int:
+    runtime_dir = ensure_runtime_dir(config.server.resolved_runtime_dir)
+    eps = endpoints(runtime_dir)
+    registry = AdapterRegistry(config.server.registry_path)
+    try:
+        register_startup_adapters(config, registry)
+    except (RegistryError, ValueError) as exc:
+        log.error("cannot register startup adapters: %s", exc)
+        registry.close()
+        return 2
+    ctx = zmq.asyncio.Context()
+    size = config.server.max_message_bytes
+    limits = SocketLimits(decode=DecodeLimits(max_message_bytes=size, max_str_len=size, max_bin_len=size))
+    sockets: list = []
+    try:
+        listeners = [Listener(0, make_router(ctx, eps.client, limits=limits), admin=False)]
+        sockets.append(listeners[-1].sock)
+        listeners.append(Listener(1, make_router(ctx, eps.admin, limits=limits), admin=True))
+        sockets.append(listeners[-1].sock)
+        if config.server.tcp_listen:
+            listeners.append(Listener(2, make_router(ctx, config.server.tcp_listen, limits=limits), admin=False))
+            sockets.append(listeners[-1].sock)
+        pub = make_pub(ctx, eps.stats, limits=limits)
+        sockets.append(pub)
+        engine = EngineLink(ctx, runtime_dir, dataclasses.asdict(config.model),
+                            start_timeout_s=config.server.engine_start_timeout_s,
+                            step_timeout_s=config.server.engine_step_timeout_s)
+        return await _serve(config, registry, listeners, pub, engine, eps, ready)
+    finally:
+        for sock in sockets:
+            sock.close()
+        ctx.term()
+        registry.close()
+        log.info("stopped")
+
+
+async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: list[Listener], pub,
+                 engine: EngineLink, eps, ready: asyncio.Event | None) -> int:
+    stop = asyncio.Event()
+    drain_budget = [config.server.drain_timeout_s]
+
+    def request_stop(timeout_s: float | None = None) -> None:
+        if timeout_s is not None:
+            drain_budget[0] = timeout_s
+        stop.set()
+
+    dispatcher: Dispatcher | None = None
+    core = ServingCore(config, engine, send=lambda ident, msg: dispatcher.send(ident, msg))
+    dispatcher = Dispatcher(core, registry, config.server.adapter_dirs, listeners, on_drain=request_stop)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, request_stop)
+    tasks: list[asyncio.Task] = []
+    try:
+        log.info("starting the engine (model: %s)", config.model.model or "built-in demo")
+        try:
+            await core.start([(r.name, r.path, r.pinned) for r in registry.list()])
+        except (EngineDied, EngineRefused) as exc:
+            log.error("the engine could not start: %s", exc)
+            return 1
+        for name, path in (core.hello.demo_adapters if core.hello else {}).items():
+            if name not in core.adapters:
+                await core.add_adapter(name, path)
+        tasks = [asyncio.create_task(dispatcher.serve(lst), name=f"listener-{lst.tag}") for lst in listeners]
+        tasks.append(asyncio.create_task(publish_stats(core, pub, config.server.stats_interval_s), name="stats"))
+        log.info("serving on %s (admin %s, stats %s)%s", eps.client, eps.admin, eps.stats,
+                 f", {config.server.tcp_listen}" if config.server.tcp_listen else "")
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+        log.info("stopping: draining in-flight requests (up to %.0f s)", drain_budget[0])
+        if not await core.drain(drain_budget[0]):
+            log.warning("drain timed out; failing the remaining requests")
+        return 0
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await core.stop()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def serve(config: LoraplexConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="loraplexd %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # uvloop is a dependency; this only keeps odd platforms working
+        runner = asyncio.run
+    return runner(run_daemon(config))

@@ -1,0 +1,88 @@
+"""One client request as the daemon tracks it: who asked, what was asked,
+what has been streamed, and the timings the final `done` reports.
+
+Turns sampled token ids into client replies: incremental UTF-8-safe text,
+stop strings matched across chunk boundaries, usage and timings.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from loraplex.daemon.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from loraplex.ipc.protocol import DoneReply, GenerateRequest, TokenChunk
+
+
+@dataclass(slots=True)
+class ClientRequest:
+    key: str  # scheduler-wide id: client identity + the client's request id
+    identity: bytes
+    msg: GenerateRequest
+    prompt_ids: list[int]
+    detok: IncrementalDetokenizer | None
+    stops: StopStringMatcher | None
+    arrival: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    adapter_path: str = "base"
+    first_scheduled: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.msg.request_id
+
+    def on_token(self, token_id: int, logprob: float | None) -> tuple[TokenChunk | None, bool]:
+        """Record one sampled token; return the chunk to stream (if any) and whether a stop string hit."""
+        now = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+        index = len(self.token_ids)
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        piece = self.detok.push([token_id]) if self.detok is not None else ""
+        stopped = False
+        if self.stops is not None:
+            piece, stopped = self.stops.feed(piece)
+        self.text += piece
+        if not self.msg.stream:
+            return None, stopped
+        chunk = TokenChunk(request_id=self.request_id, token_ids=[token_id], text=piece,
+                           logprobs=[logprob] if self.msg.logprobs and logprob is not None else None, index=index)
+        return chunk, stopped
+
+    def finish_text(self, stopped: bool) -> str:
+        """Text still held back (an incomplete UTF-8 tail or a possible stop-string prefix)."""
+        if stopped:
+            return ""
+        tail = self.detok.flush() if self.detok is not None else ""
+        if self.stops is not None:
+            tail, _ = self.stops.feed(tail)
+            tail += self.stops.flush()
+        self.text += tail
+        return tail
+
+    def done(self, finish_reason: str) -> DoneReply:
+        now = time.monotonic()
+        timings: dict[str, float | str] = {
+            "queue_ms": _ms((self.first_scheduled or now) - self.arrival),
+            "e2e_ms": _ms(now - self.arrival),
+            "adapter_path": self.adapter_path,
+        }
+        if self.first_token_at is not None and self.last_token_at is not None:
+            timings["ttft_ms"] = _ms(self.first_token_at - self.arrival)
+            n = len(self.token_ids)
+            timings["tpt_ms"] = _ms((self.last_token_at - self.first_token_at) / (n - 1)) if n > 1 else 0.0
+        return DoneReply(
+            request_id=self.request_id, finish_reason=finish_reason,
+            usage={"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.token_ids)},
+            timings=timings, token_ids=list(self.token_ids), text=self.text,
+        )
+
+
+def _ms(seconds: float) -> float:
+    return max(0.0, seconds * 1e3)

@@ -1,0 +1,157 @@
+"""The daemon's sockets: one asyncio task per socket (client ROUTER, admin
+ROUTER, optional tcp client ROUTER), a stats PUB publisher, and dispatch of
+decoded messages into the serving core.
+
+Never crashes on input: undecodable frames and refused requests are answered
+with an `error` to that client only. Owns the runtime directory's socket
+files while it runs and removes them on exit.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from loraplex.daemon.registry import AdapterRegistry, RegistryError, check_adapter_path
+from loraplex.daemon.serving import Rejected, ServingCore
+from loraplex.ipc.errors import ErrorCode, ProtocolError
+from loraplex.ipc.protocol import (
+    AdaptersReply,
+    AddAdapterRequest,
+    AdminOkReply,
+    CancelRequest,
+    DrainRequest,
+    ErrorReply,
+    GenerateRequest,
+    ListAdaptersRequest,
+    Message,
+    PinAdapterRequest,
+    PingRequest,
+    PongReply,
+    RemoveAdapterRequest,
+    SetPolicyRequest,
+    StatsReply,
+    StatsRequest,
+)
+from loraplex.ipc.sockets import AsyncTypedSocket, PeerUnavailable
+
+log = logging.getLogger("loraplex.daemon")
+_ADMIN_ONLY = (AddAdapterRequest, RemoveAdapterRequest, PinAdapterRequest, DrainRequest, SetPolicyRequest)
+
+
+class Listener:
+    """A ROUTER socket with a one-byte tag, so identities from different sockets never collide."""
+
+    def __init__(self, tag: int, sock: AsyncTypedSocket, admin: bool) -> None:
+        self.tag = tag
+        self.sock = sock
+        self.admin = admin
+
+
+class Dispatcher:
+    def __init__(self, core: ServingCore, registry: AdapterRegistry, allowed_roots: tuple[str, ...],
+                 listeners: list[Listener], on_drain) -> None:
+        self.core = core
+        self.registry = registry
+        self.allowed_roots = allowed_roots
+        self.listeners = {lst.tag: lst for lst in listeners}
+        self.on_drain = on_drain
+
+    async def send(self, identity: bytes, msg: Message) -> None:
+        """Reply to a tagged identity; a vanished peer becomes ConnectionError for the core."""
+        listener = self.listeners[identity[0]]
+        try:
+            await listener.sock.send(msg, identity=identity[1:])
+        except PeerUnavailable as exc:
+            raise ConnectionError(str(exc)) from None
+
+    async def serve(self, listener: Listener) -> None:
+        while True:
+            try:
+                envelope = await listener.sock.recv()
+            except ProtocolError as err:
+                if err.identity is not None:
+                    await self._reply(bytes([listener.tag]) + err.identity, ErrorReply.from_error(err))
+                continue
+            identity = bytes([listener.tag]) + (envelope.identity or b"")
+            try:
+                reply = await self.handle(listener, identity, envelope.message)
+            except Rejected as exc:
+                reply = ErrorReply(request_id=getattr(envelope.message, "request_id", None), code=exc.code,
+                                   message=exc.message[:4000])
+            except Exception as exc:  # a bug must not take the daemon down; the client learns of it
+                log.exception("internal error handling %s", envelope.message.TYPE)
+                reply = ErrorReply(request_id=getattr(envelope.message, "request_id", None),
+                                   code=ErrorCode.INTERNAL.value, message=f"internal error: {exc}"[:4000])
+            if reply is not None:
+                await self._reply(identity, reply)
+
+    async def _reply(self, identity: bytes, msg: Message) -> None:
+        try:
+            await self.send(identity, msg)
+        except ConnectionError:
+            await self.core.client_gone(identity)
+
+    async def handle(self, listener: Listener, identity: bytes, msg: Message) -> Message | None:
+        if isinstance(msg, GenerateRequest):
+            await self.core.submit(identity, msg)
+            return None
+        if isinstance(msg, CancelRequest):
+            if not await self.core.cancel(identity, msg.request_id):
+                raise Rejected(ErrorCode.NOT_FOUND, f"no request {msg.request_id!r} in flight for this client")
+            return None
+        if isinstance(msg, ListAdaptersRequest):
+            return AdaptersReply(adapters=self.core.adapter_list(), request_id=msg.request_id)
+        if isinstance(msg, StatsRequest):
+            return StatsReply(stats=self.core.snapshot(), request_id=msg.request_id)
+        if isinstance(msg, PingRequest):
+            return PongReply(request_id=msg.request_id)
+        if isinstance(msg, _ADMIN_ONLY):
+            if not listener.admin:
+                raise Rejected(ErrorCode.UNKNOWN_TYPE, f"{msg.TYPE} is an admin message: send it to the admin socket")
+            return await self.handle_admin(msg)
+        raise Rejected(ErrorCode.UNKNOWN_TYPE, f"the daemon does not accept {msg.TYPE} messages here")
+
+    async def handle_admin(self, msg: Message) -> Message:
+        rid = getattr(msg, "request_id", None)
+        try:
+            if isinstance(msg, AddAdapterRequest):
+                path = str(check_adapter_path(msg.path, self.allowed_roots))
+                entry = await self.core.add_adapter(msg.name, path)
+                self.registry.add(msg.name, path, rank=entry.rank, target_modules=entry.target_modules,
+                                  source="admin")
+                return AdminOkReply(detail={"adapter": entry.to_wire(resident=False, refs=0)}, request_id=rid)
+            if isinstance(msg, RemoveAdapterRequest):
+                await self.core.remove_adapter(msg.name)
+                self.registry.remove(msg.name)
+                return AdminOkReply(detail={"removed": msg.name}, request_id=rid)
+            if isinstance(msg, PinAdapterRequest):
+                entry = self.core.adapters.get(msg.name)
+                if entry is None:
+                    raise Rejected(ErrorCode.NOT_FOUND, f"unknown adapter {msg.name!r}")
+                self.registry.set_pinned(msg.name, msg.pinned)
+                entry.pinned = msg.pinned
+                return AdminOkReply(detail={"adapter": msg.name, "pinned": msg.pinned}, request_id=rid)
+            if isinstance(msg, DrainRequest):
+                self.on_drain(msg.timeout_s)
+                return AdminOkReply(detail={"draining": True, "timeout_s": msg.timeout_s}, request_id=rid)
+            if isinstance(msg, SetPolicyRequest):
+                current = {"scheduler": "fcfs", "cache": "lru"}[msg.kind]
+                if msg.name != current:
+                    raise Rejected(ErrorCode.INVALID_FIELD,
+                                   f"{msg.kind} policy {msg.name!r} is not available; this build has {current!r}")
+                return AdminOkReply(detail={msg.kind: current}, request_id=rid)
+        except RegistryError as exc:
+            code = {"already_exists": ErrorCode.ALREADY_EXISTS, "not_found": ErrorCode.NOT_FOUND}.get(
+                exc.code, ErrorCode.INVALID_FIELD)
+            raise Rejected(code, str(exc)) from None
+        raise Rejected(ErrorCode.UNKNOWN_TYPE, f"unhandled admin message {msg.TYPE}")
+
+
+async def publish_stats(core: ServingCore, pub: AsyncTypedSocket, interval_s: float) -> None:
+    """The stats stream for the console: one snapshot every interval, never blocking."""
+    while True:
+        try:
+            await pub.send(StatsReply(stats=core.snapshot()))
+        except Exception as exc:  # a slow subscriber must never stall serving
+            log.debug("stats publish skipped: %s", exc)
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,391 @@
+"""The serving core: admits client requests, runs the iteration loop (schedule →
+engine step → stream tokens), and survives engine deaths.
+
+Torch-free and socket-free: replies go out through the `send` callback the
+server gives it, so tests can drive it with a fake transport. The engine is
+an executor behind EngineLink; every policy decision is made here.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from typing import Awaitable, Callable
+
+from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
+from loraplex.daemon.config import LoraplexConfig
+from loraplex.daemon.detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
+from loraplex.daemon.memory.allocator import PageAllocator
+from loraplex.daemon.memory.geometry import PageGeometry
+from loraplex.daemon.request_state import ClientRequest
+from loraplex.daemon.scheduler.fcfs import FcfsScheduler, SchedulerConfig
+from loraplex.daemon.scheduler.sequence import SeqRequest
+from loraplex.daemon.stats import ServingStats
+from loraplex.errors import CapacityError
+from loraplex.ipc.engine_plan import SamplingSpec, StepPlan
+from loraplex.ipc.errors import ErrorCode
+from loraplex.ipc.protocol import (
+    EngineAdapterLoaded,
+    EngineHello,
+    EngineLoadAdapter,
+    EngineStep,
+    EngineStepDone,
+    EngineUnloadAdapter,
+    ErrorReply,
+    GenerateRequest,
+    Message,
+    TokenChunk,
+)
+
+log = logging.getLogger("loraplex.daemon")
+Send = Callable[[bytes, Message], Awaitable[None]]
+MAX_STEP_FAILURES = 3
+
+
+class Rejected(Exception):
+    """A request or admin order is refused with a stable error code."""
+
+    def __init__(self, code: ErrorCode | str, message: str) -> None:
+        super().__init__(message)
+        self.code = ErrorCode(code).value
+        self.message = message
+
+
+class ServingCore:
+    def __init__(self, config: LoraplexConfig, engine: EngineLink, send: Send) -> None:
+        self.config = config
+        self.engine = engine
+        self.send = send
+        self.adapters = AdapterTable()
+        self.requests: dict[str, ClientRequest] = {}
+        self.stats = ServingStats()
+        self.scheduler: FcfsScheduler | None = None
+        self.allocator: PageAllocator | None = None
+        self.hello: EngineHello | None = None
+        self.tokenizer = None
+        self.draining = False
+        self._pending: list[SeqRequest] = []  # accepted while the engine (re)starts
+        self._work = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._loop_task: asyncio.Task | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def start(self, adapters: list[tuple[str, str, bool]]) -> None:
+        """Start the engine, register `adapters` (name, path, pinned) with it, start stepping."""
+        for name, path, pinned in adapters:
+            self.adapters.put(AdapterEntry(name=name, path=path, pinned=pinned))
+        await self._engine_up()
+        self._loop_task = asyncio.create_task(self._step_loop(), name="step-loop")
+
+    async def _engine_up(self) -> None:
+        hello = await self.engine.start()
+        self.hello = hello
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(hello.model_dir)
+        geometry = PageGeometry(kv_dim=hello.kv_dim, page_tokens=hello.page_tokens, max_row_width=hello.page_elems)
+        self.allocator = PageAllocator(hello.num_pages)
+        sched = self.config.scheduler
+        self.scheduler = FcfsScheduler(
+            SchedulerConfig(max_num_seqs=sched.max_num_seqs, max_batched_tokens=sched.max_batched_tokens,
+                            max_model_len=hello.max_model_len),
+            geometry, self.allocator, self.adapters.pages, tuple(hello.eos_token_ids),
+        )
+        for entry in self.adapters.entries():
+            await self._load_into_engine(entry)
+        pending, self._pending = self._pending, []
+        for req in pending:
+            self._enqueue(req)
+
+    async def _load_into_engine(self, entry: AdapterEntry) -> None:
+        try:
+            reply = await self.engine.call(EngineLoadAdapter(name=entry.name, path=entry.path))
+        except EngineRefused as exc:
+            entry.failed(str(exc))
+            log.warning("adapter %s failed to load: %s", entry.name, exc)
+            return
+        if isinstance(reply, EngineAdapterLoaded):
+            entry.loaded(reply)
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        for key in list(self.requests):
+            await self._fail(key, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        await self.engine.stop()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop admitting; wait up to `timeout_s` for in-flight requests. True if all finished."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def submit(self, identity: bytes, msg: GenerateRequest) -> None:
+        if self.draining:
+            raise Rejected(ErrorCode.SHUTTING_DOWN, "the daemon is draining and accepts no new requests")
+        if len(self.requests) >= self.config.server.max_clients_inflight:
+            raise Rejected(ErrorCode.OVERLOADED, f"{len(self.requests)} requests in flight; try again later")
+        key = _key(identity, msg.request_id)
+        if key in self.requests:
+            raise Rejected(ErrorCode.DUPLICATE_REQUEST, f"request id {msg.request_id!r} is already in flight")
+        if msg.adapter is not None:
+            entry = self.adapters.get(msg.adapter)
+            if entry is None:
+                raise Rejected(ErrorCode.UNKNOWN_ADAPTER, f"unknown adapter {msg.adapter!r}")
+            if entry.state != "ready":
+                raise Rejected(ErrorCode.INVALID_ADAPTER, f"adapter {msg.adapter!r} is not usable: {entry.error}")
+        prompt_ids = self._prompt_ids(msg)
+        state = ClientRequest(
+            key=key, identity=identity, msg=msg, prompt_ids=prompt_ids,
+            detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
+            stops=StopStringMatcher(list(msg.stop)) if msg.stop else None,
+            adapter_path="base" if msg.adapter is None else "cached",
+        )
+        seq = SeqRequest(
+            request_id=key, prompt_ids=prompt_ids, adapter=msg.adapter,
+            sampling=SamplingSpec(temperature=msg.temperature if msg.top_k != 1 else 0.0, top_p=msg.top_p,
+                                  top_k=msg.top_k, seed=msg.seed if msg.seed is not None else secrets.randbits(63),
+                                  logprobs=msg.logprobs),
+            max_tokens=msg.max_tokens, stop_token_ids=frozenset(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        )
+        self.requests[key] = state
+        self._idle.clear()
+        try:
+            self._enqueue(seq)
+        except CapacityError as exc:
+            del self.requests[key]
+            self._check_idle()
+            raise Rejected(ErrorCode.TOO_LARGE, str(exc)) from None
+        self.stats.accepted(msg.adapter)
+        if msg.adapter is not None:
+            self.adapters.get(msg.adapter).requests += 1
+        if msg.deadline_ms is not None:
+            asyncio.get_running_loop().call_later(msg.deadline_ms / 1e3, self._deadline, key)
+
+    def _prompt_ids(self, msg: GenerateRequest) -> list[int]:
+        if msg.prompt is not None:
+            if self.tokenizer is None:
+                raise Rejected(ErrorCode.INVALID_FIELD, "this model has no tokenizer.json; send prompt_token_ids")
+            ids = self.tokenizer.encode(msg.prompt).ids
+            if not ids:
+                raise Rejected(ErrorCode.INVALID_FIELD, "the prompt encodes to no tokens")
+        else:
+            ids = list(msg.prompt_token_ids or [])
+        vocab = self.hello.vocab_size if self.hello else 0
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise Rejected(ErrorCode.INVALID_TOKEN, f"token id {bad} is outside the vocabulary (size {vocab})")
+        limit = self.hello.max_model_len if self.hello else 0
+        if len(ids) >= limit:
+            raise Rejected(ErrorCode.PROMPT_TOO_LONG,
+                           f"prompt has {len(ids)} tokens; the context holds {limit} (prompt + at least 1 new token)")
+        return ids
+
+    def _enqueue(self, seq: SeqRequest) -> None:
+        if self.scheduler is None or not self.engine.alive():
+            self._pending.append(seq)
+            return
+        self.scheduler.add(seq)
+        self._work.set()
+
+    async def cancel(self, identity: bytes, request_id: str) -> bool:
+        key = _key(identity, request_id)
+        if key not in self.requests:
+            return False
+        await self._finish(key, "cancelled")
+        return True
+
+    async def client_gone(self, identity: bytes) -> None:
+        prefix = identity.hex() + "/"
+        for key in [k for k in self.requests if k.startswith(prefix)]:
+            self._abort(key)
+            self.requests.pop(key, None)
+            self.stats.cancelled += 1
+        self._check_idle()
+
+    def _deadline(self, key: str) -> None:
+        if key in self.requests:
+            asyncio.ensure_future(self._fail(key, ErrorCode.TIMEOUT, "the request's deadline passed"))
+
+    # ---- the iteration loop ------------------------------------------------------------------
+    async def _step_loop(self) -> None:
+        failures = 0
+        while True:
+            await self._work.wait()
+            plan = self.scheduler.schedule() if self.scheduler is not None else None
+            if plan is None:
+                self._work.clear()
+                continue
+            self._mark_scheduled(plan)
+            started = time.perf_counter()
+            try:
+                reply = await self.engine.call(EngineStep(plan=plan))
+            except EngineRefused as exc:
+                self.scheduler.discard_inflight()
+                failures += 1
+                log.error("engine step failed (%d in a row): %s", failures, exc)
+                if failures >= MAX_STEP_FAILURES:
+                    await self._engine_lost(f"engine failed {failures} steps in a row: {exc}")
+                    failures = 0
+                continue
+            except EngineDied as exc:
+                await self._engine_lost(str(exc))
+                continue
+            failures = 0
+            if isinstance(reply, EngineStepDone):
+                self.stats.step(plan, reply.result, (time.perf_counter() - started) * 1e3)
+                await self._apply(plan, reply)
+
+    def _mark_scheduled(self, plan: StepPlan) -> None:
+        placed = {p.name for p in plan.place}
+        now = time.monotonic()
+        for row in plan.rows:
+            state = self.requests.get(row.request_id)
+            if state is not None and state.first_scheduled is None:
+                state.first_scheduled = now
+                if row.adapter in placed:
+                    state.adapter_path = "loaded"
+        self.stats.placed(len(plan.place), len(plan.evict))
+
+    async def _apply(self, plan: StepPlan, reply: EngineStepDone) -> None:
+        finished = {seq.request_id: seq.finish_reason for seq in self.scheduler.apply(plan, reply.result)}
+        for row in reply.result.rows:
+            state = self.requests.get(row.request_id)
+            if state is None:
+                continue
+            chunk, stopped = state.on_token(row.token_id, row.logprob)
+            if chunk is not None:
+                await self._send(state.identity, chunk)
+            if stopped:
+                finished[row.request_id] = "stop"
+                self._abort(row.request_id)
+        for key, reason in finished.items():
+            if key in self.requests:
+                await self._finish(key, reason or "stop", stopped_by_string=reason == "stop")
+        self.stats.tokens += len(reply.result.rows)
+
+    async def _finish(self, key: str, reason: str, *, stopped_by_string: bool = False) -> None:
+        state = self.requests.pop(key, None)
+        if state is None:
+            return
+        self._abort(key)
+        tail = state.finish_text(stopped=stopped_by_string and state.stops is not None and reason == "stop")
+        if state.msg.stream and tail:
+            await self._send(state.identity, TokenChunk(request_id=state.request_id, token_ids=[], text=tail,
+                                                        index=len(state.token_ids)))
+        done = state.done(reason)
+        self.stats.finished(done)
+        await self._send(state.identity, done)
+        self._check_idle()
+
+    async def _fail(self, key: str, code: ErrorCode, message: str) -> None:
+        state = self.requests.pop(key, None)
+        if state is None:
+            return
+        self._abort(key)
+        self.stats.errors += 1
+        await self._send(state.identity, ErrorReply(request_id=state.request_id, code=code.value, message=message))
+        self._check_idle()
+
+    def _abort(self, key: str) -> None:
+        if self.scheduler is not None:
+            self.scheduler.abort(key)
+        self._pending = [p for p in self._pending if p.request_id != key]
+
+    async def _send(self, identity: bytes, msg: Message) -> None:
+        try:
+            await self.send(identity, msg)
+        except ConnectionError:
+            await self.client_gone(identity)
+
+    def _check_idle(self) -> None:
+        if not self.requests:
+            self._idle.set()
+
+    # ---- engine failure -----------------------------------------------------------------------
+    async def _engine_lost(self, reason: str) -> None:
+        """Fail what the dead engine was computing, keep what had not started, restart it."""
+        log.error("engine lost: %s", reason)
+        self.stats.engine_restarts += 1
+        sched, self.scheduler = self.scheduler, None
+        if sched is not None:
+            for seq in list(sched.running):
+                await self._fail(seq.request_id, ErrorCode.ENGINE_FAILED,
+                                 f"the engine process failed while running this request ({reason}); retry it")
+            self._pending = [s.req for s in sched.waiting if s.request_id in self.requests] + self._pending
+        delay = 0.5
+        while True:
+            try:
+                await self._engine_up()
+                log.info("engine restarted")
+                self._work.set()
+                return
+            except (EngineDied, EngineRefused, OSError) as exc:
+                log.error("engine restart failed: %s; retrying in %.1f s", exc, delay)
+                for seq in list(self._pending):
+                    await self._fail(seq.request_id, ErrorCode.UNAVAILABLE, f"the engine could not be restarted: {exc}")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+    # ---- adapters ---------------------------------------------------------------------------
+    async def add_adapter(self, name: str, path: str, pinned: bool = False) -> AdapterEntry:
+        if name in self.adapters:
+            raise Rejected(ErrorCode.ALREADY_EXISTS, f"adapter {name!r} is already registered")
+        entry = AdapterEntry(name=name, path=path, pinned=pinned)
+        if self.engine.alive():
+            await self._load_into_engine(entry)
+            if entry.state != "ready":
+                raise Rejected(ErrorCode.INVALID_ADAPTER, entry.error or "the engine refused the adapter")
+        self.adapters.put(entry)
+        return entry
+
+    async def remove_adapter(self, name: str) -> None:
+        entry = self.adapters.get(name)
+        if entry is None:
+            raise Rejected(ErrorCode.NOT_FOUND, f"unknown adapter {name!r}")
+        users = [s for s in self.requests.values() if s.msg.adapter == name]
+        if users:
+            raise Rejected(ErrorCode.INVALID_FIELD, f"adapter {name!r} is used by {len(users)} requests in flight")
+        if self.scheduler is not None:
+            self.scheduler.adapters.drop(name)
+        self.adapters.pop(name)
+        if self.engine.alive():
+            try:
+                await self.engine.call(EngineUnloadAdapter(name=name))
+            except EngineRefused as exc:
+                log.warning("engine could not unload %s: %s", name, exc)
+
+    def adapter_list(self) -> list[dict[str, object]]:
+        residency = self.scheduler.adapters if self.scheduler is not None else None
+        return [e.to_wire(resident=bool(residency and residency.is_resident(e.name)),
+                          refs=residency.refs(e.name) if residency else 0) for e in self.adapters.entries()]
+
+    def snapshot(self) -> dict[str, object]:
+        usage = self.allocator.usage() if self.allocator is not None else None
+        sched = self.scheduler
+        return self.stats.snapshot(
+            running=len(sched.running) if sched else 0,
+            waiting=(len(sched.waiting) if sched else 0) + len(self._pending),
+            pool=None if usage is None else {"total": usage.total, "free": usage.free,
+                                             "kv": usage.by_tag.get("kv", 0),
+                                             "adapter": usage.by_tag.get("adapter", 0)},
+            resident_adapters=sched.adapters.resident_names() if sched else [],
+            engine=self.engine.describe(),
+            draining=self.draining,
+            preemptions=sched.num_preemptions if sched else 0,
+        )
+
+
+def _key(identity: bytes, request_id: str) -> str:
+    return identity.hex() + "/" + request_id
+

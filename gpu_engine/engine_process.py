@@ -1,0 +1,144 @@
+"""The engine process (`loraplex-engine`): a synchronous loop that executes
+the daemon's orders (step plans, adapter loads) over one DEALER socket.
+
+It makes no policy decision. It dies with its parent (PDEATHSIG), names its
+role in its command line and process name, and reports every failure it can
+survive as an `engine_failure` reply instead of exiting.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import zmq
+
+from loraplex.errors import LoraplexRequestError
+from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
+from loraplex.gpu_engine.runtime import EngineRuntime, EngineSpec, build_runtime
+from loraplex.ipc.errors import ErrorCode
+from loraplex.ipc.protocol import (
+    EngineAdapterLoaded,
+    EngineFailure,
+    EngineHello,
+    EngineLoadAdapter,
+    EngineShutdown,
+    EngineStep,
+    EngineStepDone,
+    EngineUnloadAdapter,
+    Message,
+)
+from loraplex.ipc.sockets import TypedSocket, make_dealer
+
+ROLE = "loraplex-engine"
+log = logging.getLogger(ROLE)
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+
+
+def _linux_process_setup() -> None:
+    """Die with the daemon, and show as loraplex-engine in ps/top."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_NAME, ROLE.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the daemon's supervisor still kills us on exit
+
+
+def hello_for(runtime: EngineRuntime, demo: bool) -> EngineHello:
+    cfg = runtime.config
+    demo_adapters: dict[str, str] = {}
+    if demo:
+        from loraplex.gpu_engine.demo import ensure_demo_model
+
+        demo_adapters = {name: str(path) for name, path in ensure_demo_model().adapters.items()}
+    return EngineHello(
+        pid=os.getpid(), model_dir=str(runtime.model_dir), device=runtime.spec.device, dtype=runtime.spec.dtype,
+        vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, kv_dim=cfg.kv_dim,
+        max_model_len=runtime.max_model_len, num_pages=runtime.num_pages, page_tokens=runtime.geometry.page_tokens,
+        page_elems=runtime.geometry.page_elems, eos_token_ids=list(cfg.eos_token_ids),
+        bos_token_id=cfg.bos_token_id, lora_backend=runtime.spec.lora_backend, demo_adapters=demo_adapters,
+    )
+
+
+class EngineServer:
+    def __init__(self, runtime: EngineRuntime, sock: TypedSocket, *, demo: bool = False) -> None:
+        self.runtime = runtime
+        self.sock = sock
+        self.demo = demo
+
+    def serve(self) -> None:
+        self.sock.send(hello_for(self.runtime, self.demo))
+        while True:
+            msg = self.sock.recv().message
+            if isinstance(msg, EngineShutdown):
+                return
+            self.sock.send(self.handle(msg))
+
+    def handle(self, msg: Message) -> Message:
+        executor = self.runtime.executor
+        if isinstance(msg, EngineStep):
+            try:
+                return EngineStepDone(result=executor.execute(msg.plan))
+            except Exception as exc:  # the daemon re-plans the step; the process keeps serving
+                log.error("step %d failed: %s", msg.plan.step_id, traceback.format_exc())
+                return EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"step failed: {exc}",
+                                     subject=str(msg.plan.step_id))
+        if isinstance(msg, EngineLoadAdapter):
+            return self._load(msg)
+        if isinstance(msg, EngineUnloadAdapter):
+            executor.remove_host_adapter(msg.name)
+            return EngineAdapterLoaded(name=msg.name, rank=0, target_modules=[], num_pages=0, nbytes=0)
+        return EngineFailure(code=ErrorCode.UNKNOWN_TYPE.value, message=f"engine cannot handle {msg.TYPE}")
+
+    def _load(self, msg: EngineLoadAdapter) -> Message:
+        executor = self.runtime.executor
+        try:
+            adapter = load_peft_adapter(msg.name, msg.path, self.runtime.config,
+                                        max_lora_rank=self.runtime.spec.max_lora_rank,
+                                        dtype=executor.pool.data.dtype)
+        except LoraplexRequestError as exc:
+            return EngineFailure(code=exc.code, message=str(exc), subject=msg.name)
+        except OSError as exc:
+            return EngineFailure(code=ErrorCode.INVALID_ADAPTER.value, message=str(exc), subject=msg.name)
+        executor.remove_host_adapter(msg.name)  # a reload replaces the old weights
+        layout = executor.add_host_adapter(adapter)
+        return EngineAdapterLoaded(name=msg.name, rank=adapter.spec.rank, target_modules=list(adapter.spec.targets),
+                                   num_pages=layout.num_pages, nbytes=adapter.nbytes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=ROLE, description="loraplex engine process (started by the daemon)")
+    parser.add_argument("--endpoint", required=True, help="the daemon's private engine endpoint")
+    parser.add_argument("--spec", required=True, help="EngineSpec fields as a JSON object")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"{ROLE} %(levelname)s %(message)s", stream=sys.stderr)
+    _linux_process_setup()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which drains and then stops us
+    ctx = zmq.Context()
+    sock = make_dealer(ctx, args.endpoint)
+    try:
+        try:
+            spec = EngineSpec(**json.loads(args.spec))
+            runtime = build_runtime(spec)
+        except Exception as exc:  # report why we cannot start, then exit: restarting will not help
+            log.error("engine failed to start: %s", traceback.format_exc())
+            sock.send(EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"engine failed to start: {exc}",
+                                    fatal=True))
+            return 2
+        EngineServer(runtime, sock, demo=spec.model is None).serve()
+        return 0
+    finally:
+        sock.close()
+        ctx.term()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,476 @@
+"""asyncio client library: AsyncClient and AsyncAdminClient, for servers,
+gateways and load generators (works under uvloop).
+
+Any number of concurrent requests share ONE DEALER socket per client: a single
+reader task demultiplexes replies by request id into per-request queues. A
+client is bound to the event loop it is first used in and is not
+thread-safe (use it from that loop's thread; the sync Client is for threads).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any, Sequence, TypeVar
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from loraplex.ipc.client_types import (
+    CLIENT_SOCKET_LIMITS,
+    PROBE_ID_PREFIX,
+    AdapterInfo,
+    GenerateResult,
+    Item,
+    Liveness,
+    LivenessTracker,
+    M,
+    PolicyKind,
+    Probe,
+    RequestTable,
+    StreamAssembler,
+    StreamChunk,
+    check_timeout,
+    expect,
+    generate_request,
+    missing_daemon,
+    new_request_id,
+    resolve_endpoint,
+    send_failed,
+    timed_out,
+    undecodable_reply,
+)
+from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
+from loraplex.ipc.protocol import (
+    AdaptersReply,
+    AddAdapterRequest,
+    AdminOkReply,
+    CancelRequest,
+    DrainRequest,
+    GenerateRequest,
+    ListAdaptersRequest,
+    Message,
+    PinAdapterRequest,
+    PingRequest,
+    PongReply,
+    RemoveAdapterRequest,
+    SetPolicyRequest,
+    StatsReply,
+    StatsRequest,
+)
+from loraplex.ipc.socket_options import SocketLimits
+from loraplex.ipc.sockets import AsyncTypedSocket, PeerUnavailable, make_dealer
+
+log = logging.getLogger(__name__)
+_B = TypeVar("_B", bound="_AsyncBase")
+CONTROL_TIMEOUT_S = 10.0
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+class _AsyncTransport:
+    """One DEALER, one reader task, a connection monitor and a liveness watchdog.
+
+    Opened lazily inside the event loop of the first call.
+    """
+
+    def __init__(
+        self, endpoint: str, limits: SocketLimits, liveness: Liveness | None, context: zmq.asyncio.Context | None
+    ) -> None:
+        self.endpoint = endpoint
+        self._limits = limits
+        self._liveness = liveness
+        self._context = context
+        self._table = RequestTable()
+        self._tracker = LivenessTracker(liveness, time.monotonic())
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sock: AsyncTypedSocket | None = None
+        self._monitor: Any = None
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._connected = False
+
+    def _open(self) -> AsyncTypedSocket:
+        loop = asyncio.get_running_loop()
+        if self._closed:
+            raise LoraplexError(ErrorCode.UNAVAILABLE, "the client is closed")
+        if self._sock is None:
+            ctx = self._context if self._context is not None else zmq.asyncio.Context.instance()
+            self._sock = make_dealer(ctx, self.endpoint, limits=self._limits)
+            self._monitor = self._sock.socket.get_monitor_socket(_MONITOR_EVENTS)
+            self._loop = loop
+            self._tasks = [
+                loop.create_task(self._read(self._sock)),
+                loop.create_task(self._watch_connection(self._monitor)),
+            ]
+            if self._liveness is not None:
+                self._tasks.append(loop.create_task(self._watch_liveness(self._liveness)))
+        elif loop is not self._loop:
+            raise RuntimeError("an AsyncClient is bound to the event loop it was first used in")
+        return self._sock
+
+    async def start(self, msg: Message, request_id: str, cancellable: bool) -> asyncio.Queue[Item]:
+        """Register `request_id` and send `msg`; its replies arrive on the returned queue."""
+        self._open()
+        if not self._connected and (reason := missing_daemon(self.endpoint)):
+            raise LoraplexError(ErrorCode.UNAVAILABLE, reason, request_id)
+        replies: asyncio.Queue[Item] = asyncio.Queue()
+        if self._table.add(request_id, replies.put_nowait, cancellable):
+            self._tracker.became_busy(time.monotonic())
+            self._wake.set()
+        try:
+            await self.send(msg)
+        except BaseException:
+            if cancellable:
+                self.abandon(request_id)
+            else:
+                self._table.discard(request_id)
+            raise
+        return replies
+
+    async def send(self, msg: Message) -> None:
+        try:
+            await self._open().send(msg)
+        except (PeerUnavailable, ProtocolError) as exc:
+            raise send_failed(self.endpoint, exc, getattr(msg, "request_id", None)) from None
+
+    async def send_quietly(self, msg: Message) -> None:
+        """Best effort, also while closing (cancels, probes)."""
+        if self._sock is None:
+            return
+        try:
+            await self._sock.send(msg)
+        except (PeerUnavailable, ProtocolError) as exc:
+            log.debug("could not send %s: %s", msg.TYPE, exc)
+
+    def forget(self, request_id: str) -> bool:
+        return self._table.discard(request_id)
+
+    def abandon(self, request_id: str) -> None:
+        """Stop waiting for `request_id`; cancel it on the daemon if it was in
+        flight. Callable from sync code and finalizers, in any thread."""
+        loop = self._loop
+        if not self._table.discard(request_id) or loop is None or loop.is_closed():
+            return
+        msg = CancelRequest(request_id=request_id)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._spawn_send(msg)  # now, so that a close() right after still sends it
+            return
+        try:
+            loop.call_soon_threadsafe(self._spawn_send, msg)
+        except RuntimeError:
+            pass  # the loop closed in between
+
+    def _spawn_send(self, msg: Message) -> None:
+        if self._sock is None or self._loop is None:
+            return
+        task = self._loop.create_task(self.send_quietly(msg))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    @staticmethod
+    async def wait(replies: asyncio.Queue[Item], deadline: float | None) -> Item:
+        """The next reply; asyncio.TimeoutError once `deadline` (monotonic) passes."""
+        if not replies.empty():
+            return replies.get_nowait()
+        if deadline is None:
+            return await replies.get()
+        return await asyncio.wait_for(replies.get(), max(0.0, deadline - time.monotonic()))
+
+    async def _read(self, sock: AsyncTypedSocket) -> None:
+        try:
+            while True:
+                try:
+                    _, msg = await sock.recv()
+                except ProtocolError as exc:
+                    self._tracker.heard(time.monotonic())
+                    if exc.request_id is None:
+                        log.warning("dropping an undecodable reply from %s: %s", self.endpoint, exc)
+                    else:
+                        self._table.fail(exc.request_id, undecodable_reply(exc))
+                    continue
+                self._tracker.heard(time.monotonic())
+                if not self._table.deliver(msg):
+                    log.debug("dropping unsolicited %s reply", msg.TYPE)
+        except Exception as exc:
+            log.exception("loraplex client reader failed")
+            self._closed = True
+            self._table.fail_all(ErrorCode.INTERNAL, f"the client's reader failed: {exc!r}")
+
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._connected = False
+                await self._fail_in_flight(f"lost the connection to the daemon at {self.endpoint}")
+
+    async def _watch_liveness(self, liveness: Liveness) -> None:
+        while True:
+            self._wake.clear()
+            action, wait_s = self._tracker.check(time.monotonic(), busy=len(self._table) > 0)
+            if action is Probe.PING:
+                await self.send_quietly(PingRequest(request_id=new_request_id(PROBE_ID_PREFIX)))
+            elif action is Probe.FAIL:
+                await self._fail_in_flight(f"the daemon at {self.endpoint} is not answering: {liveness.describe()}")
+            try:
+                await asyncio.wait_for(self._wake.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _fail_in_flight(self, reason: str) -> None:
+        # The daemon may come back on the same endpoint and still run what we
+        # sent: cancel it there so its pages are freed.
+        for request_id in self._table.fail_all(ErrorCode.UNAVAILABLE, reason):
+            await self.send_quietly(CancelRequest(request_id=request_id))
+
+    async def close(self) -> None:
+        if self._closed and self._sock is None:
+            return
+        self._closed = True
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        sock = self._sock
+        if sock is None:
+            self._table.fail_all(ErrorCode.UNAVAILABLE, "the client was closed")
+            return
+        try:
+            sock.socket.setsockopt(zmq.SNDTIMEO, 0)  # closing must not wait on a full queue
+            await asyncio.gather(*self._background, return_exceptions=True)
+            await self._fail_in_flight("the client was closed")
+            sock.socket.disable_monitor()
+        finally:
+            self._sock = None
+            self._monitor.close(linger=0)
+            sock.close()
+
+
+class AsyncStream:
+    """Async iterator over the chunks of one streamed generate.
+
+    The request is sent when iteration starts (or on `async with`). End
+    convention: once `async for` ends normally, `.result` holds the
+    GenerateResult (None before). Leaving early cancels the request on the
+    daemon: aclose(), an `async with` block, or dropping the iterator.
+    """
+
+    def __init__(self, client: _AsyncBase, request: GenerateRequest, timeout: float | None) -> None:
+        self._client = client  # keeps the client alive while we iterate
+        self._transport = client._transport
+        self._request = request
+        self.request_id = request.request_id
+        self._timeout = timeout
+        self._deadline: float | None = None
+        self._assembler = StreamAssembler(request.request_id, request.logprobs)
+        self._replies: asyncio.Queue[Item] | None = None
+        self._finished = False
+
+    @property
+    def result(self) -> GenerateResult | None:
+        return self._assembler.result
+
+    def finished_result(self) -> GenerateResult:
+        return self._assembler.finished_result()
+
+    async def _start(self) -> asyncio.Queue[Item]:
+        if self._replies is None:
+            if self._finished:
+                raise LoraplexError(ErrorCode.CANCELLED, "the stream was closed before it started", self.request_id)
+            self._replies = await self._transport.start(self._request, self.request_id, cancellable=True)
+            self._deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        return self._replies
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._transport.wait(await self._start(), self._deadline)
+        except asyncio.TimeoutError:
+            self._abandon()
+            raise timed_out(self.request_id, self._timeout) from None
+        except BaseException:
+            self._abandon()
+            raise
+        try:
+            chunk = self._assembler.feed(item)
+        except LoraplexError:
+            self._finished = True
+            raise
+        if chunk is None:
+            self._finished = True
+            raise StopAsyncIteration
+        return chunk
+
+    def _abandon(self) -> None:
+        self._finished = True
+        if self._replies is not None:
+            self._transport.abandon(self.request_id)
+
+    async def aclose(self) -> None:
+        """Stop reading; cancels the request if the daemon has not finished it."""
+        was_open, self._finished = not self._finished, True
+        if was_open and self._replies is not None and self._transport.forget(self.request_id):
+            await self._transport.send_quietly(CancelRequest(request_id=self.request_id))
+
+    async def __aenter__(self) -> AsyncStream:
+        await self._start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_finished", True) and self._replies is not None:
+            self._abandon()
+
+
+class _AsyncBase:
+    """Construction, lifecycle and the calls both sockets answer (adapters, stats, ping)."""
+
+    _SOCKET = "client"  # which of the runtime directory's sockets is the default
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        runtime_dir: str | os.PathLike[str] | None = None,
+        liveness: Liveness | None = Liveness(),
+        limits: SocketLimits = CLIENT_SOCKET_LIMITS,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.endpoint = resolve_endpoint(endpoint, runtime_dir, self._SOCKET)
+        self._transport = _AsyncTransport(self.endpoint, limits, liveness, context)
+
+    async def close(self) -> None:
+        """Fail and cancel whatever is in flight, then close the socket. Idempotent."""
+        await self._transport.close()
+
+    async def __aenter__(self: _B) -> _B:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, msg: Message, reply_type: type[M], timeout: float | None) -> M:
+        request_id: str = msg.request_id  # type: ignore[attr-defined]
+        timeout = check_timeout(timeout)
+        replies = await self._transport.start(msg, request_id, cancellable=False)
+        try:
+            item = await self._transport.wait(replies, None if timeout is None else time.monotonic() + timeout)
+        except asyncio.TimeoutError:
+            raise timed_out(request_id, timeout) from None
+        finally:
+            self._transport.forget(request_id)
+        return expect(item, reply_type, request_id)
+
+    async def adapters(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> list[AdapterInfo]:
+        """The registered adapters."""
+        reply = await self._call(ListAdaptersRequest(request_id=new_request_id()), AdaptersReply, timeout)
+        return [AdapterInfo.from_entry(entry) for entry in reply.adapters]
+
+    async def stats(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
+        """One snapshot of the daemon's metrics."""
+        return dict((await self._call(StatsRequest(request_id=new_request_id()), StatsReply, timeout)).stats)
+
+    async def ping(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> float:
+        """Round-trip time to the daemon in seconds."""
+        started = time.monotonic()
+        await self._call(PingRequest(request_id=new_request_id()), PongReply, timeout)
+        return time.monotonic() - started
+
+
+class AsyncClient(_AsyncBase):
+    """asyncio client of the daemon's client socket; arguments as for Client
+    (context: a zmq.asyncio.Context to share, default the process-wide one)."""
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        adapter: str | None = None,
+        *,
+        max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
+        stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
+        timeout: float | None = None, request_id: str | None = None,
+    ) -> GenerateResult:
+        """As Client.generate. Cancelling the awaiting task cancels the request."""
+        request = generate_request(
+            prompt, request_id=request_id, adapter=adapter, max_tokens=max_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+            logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=False,
+        )
+        stream = AsyncStream(self, request, timeout)
+        async for _ in stream:
+            pass
+        return stream.finished_result()
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        adapter: str | None = None,
+        *,
+        max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
+        stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
+        timeout: float | None = None, request_id: str | None = None,
+    ) -> AsyncStream:
+        """As Client.stream, but an AsyncStream: `async for chunk in client.stream(...)`."""
+        request = generate_request(
+            prompt, request_id=request_id, adapter=adapter, max_tokens=max_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+            logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=True,
+        )
+        return AsyncStream(self, request, timeout)
+
+    async def cancel(self, request_id: str) -> None:
+        """Ask the daemon to stop `request_id` (returns once sent). A waiting
+        generate then returns with finish_reason "cancelled"."""
+        await self._transport.send(CancelRequest(request_id=request_id))
+
+
+class AsyncAdminClient(_AsyncBase):
+    """asyncio client of the daemon's admin socket; see AdminClient."""
+
+    _SOCKET = "admin"
+
+    async def _admin(self, msg: Message, timeout: float | None) -> dict[str, object]:
+        return dict((await self._call(msg, AdminOkReply, timeout)).detail)
+
+    async def add_adapter(
+        self, name: str, path: str | os.PathLike[str], *, timeout: float | None = 120.0
+    ) -> dict[str, object]:
+        msg = AddAdapterRequest(name=name, path=os.fspath(path), request_id=new_request_id())
+        return await self._admin(msg, timeout)
+
+    async def remove_adapter(self, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
+        return await self._admin(RemoveAdapterRequest(name=name, request_id=new_request_id()), timeout)
+
+    async def pin_adapter(
+        self, name: str, pinned: bool = True, *, timeout: float | None = CONTROL_TIMEOUT_S
+    ) -> dict[str, object]:
+        return await self._admin(PinAdapterRequest(name=name, pinned=pinned, request_id=new_request_id()), timeout)
+
+    async def unpin_adapter(self, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
+        return await self.pin_adapter(name, False, timeout=timeout)
+
+    async def drain(self, timeout_s: float = 30.0) -> dict[str, object]:
+        msg = DrainRequest(timeout_s=timeout_s, request_id=new_request_id())
+        return await self._admin(msg, timeout_s + CONTROL_TIMEOUT_S)
+
+    async def set_policy(
+        self, kind: PolicyKind, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S
+    ) -> dict[str, object]:
+        return await self._admin(SetPolicyRequest(kind=kind, name=name, request_id=new_request_id()), timeout)

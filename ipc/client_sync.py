@@ -1,0 +1,499 @@
+"""Blocking client library: Client (generate, stream, cancel, adapters, stats,
+ping) and AdminClient (the admin socket), for scripts and threaded programs.
+
+Thread-safety: every method of Client and AdminClient may be called from any
+number of threads at once. One background I/O thread per client owns its
+single DEALER socket; callers hand it messages through a queue and wait on a
+per-request queue that the I/O thread fills by request id. A Stream is an
+iterator for one consumer thread at a time (its close() is safe from any).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Sequence, TypeVar
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from loraplex.ipc.client_types import (
+    CLIENT_SOCKET_LIMITS,
+    PROBE_ID_PREFIX,
+    AdapterInfo,
+    GenerateResult,
+    Item,
+    Liveness,
+    LivenessTracker,
+    M,
+    PolicyKind,
+    Probe,
+    RequestTable,
+    StreamAssembler,
+    StreamChunk,
+    check_timeout,
+    expect,
+    generate_request,
+    missing_daemon,
+    new_request_id,
+    resolve_endpoint,
+    send_failed,
+    timed_out,
+    undecodable_reply,
+)
+from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
+from loraplex.ipc.protocol import (
+    AdaptersReply,
+    AddAdapterRequest,
+    AdminOkReply,
+    CancelRequest,
+    DrainRequest,
+    GenerateRequest,
+    ListAdaptersRequest,
+    Message,
+    PinAdapterRequest,
+    PingRequest,
+    PongReply,
+    RemoveAdapterRequest,
+    SetPolicyRequest,
+    StatsReply,
+    StatsRequest,
+)
+from loraplex.ipc.socket_options import SocketLimits
+from loraplex.ipc.sockets import PeerUnavailable, make_dealer
+
+log = logging.getLogger(__name__)
+_B = TypeVar("_B", bound="_SyncBase")
+CONTROL_TIMEOUT_S = 10.0
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+class _Transport:
+    """One DEALER owned by one I/O thread; any thread may start and wait on requests."""
+
+    def __init__(
+        self, endpoint: str, limits: SocketLimits, liveness: Liveness | None, context: zmq.Context | None
+    ) -> None:
+        self.endpoint = endpoint
+        self._liveness = liveness
+        self._table = RequestTable()
+        self._tracker = LivenessTracker(liveness, time.monotonic())
+        self._outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        # Reentrant: a Stream finalizer (cyclic GC) may post a cancel from any
+        # point of a thread that already holds it.
+        self._post_lock = threading.RLock()
+        self._closed = False
+        self._connected = False
+        self._sock = make_dealer(context if context is not None else zmq.Context.instance(), endpoint, limits=limits)
+        try:
+            self._monitor = self._sock.socket.get_monitor_socket(_MONITOR_EVENTS)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._thread = threading.Thread(target=self._run, name=f"loraplex-client {endpoint}", daemon=True)
+        self._thread.start()
+
+    # -- caller side (any thread) --------------------------------------
+    def start(self, msg: Message, request_id: str, cancellable: bool) -> queue.SimpleQueue[Item]:
+        """Register `request_id` and queue `msg` for sending; its replies arrive on the returned queue."""
+        replies: queue.SimpleQueue[Item] = queue.SimpleQueue()
+        with self._post_lock:
+            if self._closed:
+                raise LoraplexError(ErrorCode.UNAVAILABLE, "the client is closed", request_id)
+            if not self._connected and (reason := missing_daemon(self.endpoint)):
+                raise LoraplexError(ErrorCode.UNAVAILABLE, reason, request_id)
+            if self._table.add(request_id, replies.put, cancellable):
+                self._tracker.became_busy(time.monotonic())
+            self._post_locked(msg)
+        return replies
+
+    def post(self, msg: Message) -> bool:
+        """Queue `msg` for sending (fire and forget); False once closed."""
+        with self._post_lock:
+            if self._closed:
+                return False
+            self._post_locked(msg)
+            return True
+
+    def _post_locked(self, msg: Message) -> None:
+        self._outbox.put(msg)
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    def abandon(self, request_id: str) -> None:
+        """Stop waiting for `request_id`, cancelling it if it was still in flight."""
+        if self._table.discard(request_id):
+            self.post(CancelRequest(request_id=request_id))
+
+    def forget(self, request_id: str) -> None:
+        """Stop waiting for `request_id` without cancelling it (control calls)."""
+        self._table.discard(request_id)
+
+    @staticmethod
+    def wait(replies: queue.SimpleQueue[Item], deadline: float | None) -> Item:
+        """The next reply; TimeoutError once `deadline` (monotonic) passes."""
+        if deadline is None:
+            return replies.get()
+        try:
+            return replies.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError from None
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the I/O thread (it fails and cancels what is in flight); with
+        `wait`, until it has closed the socket."""
+        with self._post_lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.write(self._wake_w, b"\0")
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10.0)
+
+    # -- I/O thread ----------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock.socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        wait_s: float | None = None
+        try:
+            while not self._closed:
+                ready = dict(poller.poll(None if wait_s is None else max(1, int(wait_s * 1000) + 1)))
+                if self._wake_r in ready:
+                    self._drain_wake()
+                self._flush_outbox()
+                if self._sock.socket in ready:
+                    self._drain_socket()
+                if self._monitor in ready:
+                    self._drain_monitor()
+                wait_s = self._check_liveness()
+        except Exception:
+            log.exception("loraplex client I/O thread failed")
+        finally:
+            self._shutdown()
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _flush_outbox(self) -> None:
+        while True:
+            try:
+                msg = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            self._send(msg)
+
+    def _send(self, msg: Message) -> None:
+        try:
+            self._sock.send(msg)
+        except (PeerUnavailable, ProtocolError) as exc:
+            request_id = getattr(msg, "request_id", None) or ""
+            self._table.fail(request_id, send_failed(self.endpoint, exc, request_id))
+
+    def _drain_socket(self) -> None:
+        for _ in range(10_000):  # bounded, so queued sends are not starved
+            if not self._sock.poll(0):
+                return
+            try:
+                _, msg = self._sock.recv()
+            except ProtocolError as exc:
+                self._tracker.heard(time.monotonic())
+                if exc.request_id is None:
+                    log.warning("dropping an undecodable reply from %s: %s", self.endpoint, exc)
+                else:
+                    self._table.fail(exc.request_id, undecodable_reply(exc))
+                continue
+            self._tracker.heard(time.monotonic())
+            if not self._table.deliver(msg):
+                log.debug("dropping unsolicited %s reply", msg.TYPE)
+
+    def _drain_monitor(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._connected = False
+                self._fail_in_flight(f"lost the connection to the daemon at {self.endpoint}")
+
+    def _check_liveness(self) -> float | None:
+        action, wait_s = self._tracker.check(time.monotonic(), busy=len(self._table) > 0)
+        if action is Probe.PING:
+            self._send(PingRequest(request_id=new_request_id(PROBE_ID_PREFIX)))
+        elif action is Probe.FAIL and self._liveness is not None:
+            self._fail_in_flight(f"the daemon at {self.endpoint} is not answering: {self._liveness.describe()}")
+        return wait_s
+
+    def _fail_in_flight(self, reason: str) -> None:
+        # The daemon may come back on the same endpoint and still run what we
+        # sent: cancel it there so its pages are freed.
+        for request_id in self._table.fail_all(ErrorCode.UNAVAILABLE, reason):
+            self._send(CancelRequest(request_id=request_id))
+
+    def _shutdown(self) -> None:
+        with self._post_lock:
+            self._closed = True
+        try:
+            self._sock.socket.setsockopt(zmq.SNDTIMEO, 0)  # closing must not wait on a full queue
+            self._flush_outbox()
+            self._fail_in_flight("the client was closed")
+            self._sock.socket.disable_monitor()
+        except Exception:
+            log.exception("loraplex client failed while closing")
+            self._table.fail_all(ErrorCode.UNAVAILABLE, "the client was closed")
+        finally:
+            self._monitor.close(linger=0)
+            self._sock.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+
+class Stream:
+    """Iterator over the chunks of one streamed generate.
+
+    End convention: when the iteration ends normally (StopIteration), `.result`
+    holds the GenerateResult from the daemon's `done` (the whole text, usage,
+    timings); before that it is None. Errors raise LoraplexError from next().
+    Leaving early cancels the request on the daemon: close(), a `with` block,
+    or dropping the iterator (immediate for `for c in client.stream(...)`).
+    """
+
+    def __init__(self, client: _SyncBase, request: GenerateRequest, timeout: float | None) -> None:
+        self._client = client  # keeps the client (and its socket) alive while we iterate
+        self._transport = client._transport
+        self.request_id = request.request_id
+        self._timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._assembler = StreamAssembler(request.request_id, request.logprobs)
+        self._open = False
+        self._replies = self._transport.start(request, request.request_id, cancellable=True)
+        self._open = True
+
+    @property
+    def result(self) -> GenerateResult | None:
+        return self._assembler.result
+
+    def finished_result(self) -> GenerateResult:
+        """The result of a stream read to its end."""
+        return self._assembler.finished_result()
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        if not self._open:
+            raise StopIteration
+        try:
+            item = self._transport.wait(self._replies, self._deadline)
+        except TimeoutError:
+            self.close()
+            raise timed_out(self.request_id, self._timeout) from None
+        except BaseException:
+            self.close()
+            raise
+        try:
+            chunk = self._assembler.feed(item)
+        except LoraplexError:
+            self._open = False
+            raise
+        if chunk is None:
+            self._open = False
+            raise StopIteration
+        return chunk
+
+    def close(self) -> None:
+        """Stop reading; cancels the request if the daemon has not finished it."""
+        if self._open:
+            self._open = False
+            self._transport.abandon(self.request_id)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_open", False):
+            self.close()
+
+
+class _SyncBase:
+    """Construction, lifecycle and the calls both sockets answer (adapters, stats, ping)."""
+
+    _SOCKET = "client"  # which of the runtime directory's sockets is the default
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        runtime_dir: str | os.PathLike[str] | None = None,
+        liveness: Liveness | None = Liveness(),
+        limits: SocketLimits = CLIENT_SOCKET_LIMITS,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.endpoint = resolve_endpoint(endpoint, runtime_dir, self._SOCKET)
+        self._transport = _Transport(self.endpoint, limits, liveness, context)
+
+    def close(self) -> None:
+        """Fail and cancel whatever is in flight, then close the socket. Idempotent."""
+        self._transport.close()
+
+    def __enter__(self: _B) -> _B:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        transport = getattr(self, "_transport", None)
+        if transport is not None:
+            transport.close(wait=False)
+
+    def _call(self, msg: Message, reply_type: type[M], timeout: float | None) -> M:
+        request_id: str = msg.request_id  # type: ignore[attr-defined]
+        timeout = check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        replies = self._transport.start(msg, request_id, cancellable=False)
+        try:
+            item = self._transport.wait(replies, deadline)
+        except TimeoutError:
+            raise timed_out(request_id, timeout) from None
+        finally:
+            self._transport.forget(request_id)
+        return expect(item, reply_type, request_id)
+
+    def adapters(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> list[AdapterInfo]:
+        """The registered adapters."""
+        reply = self._call(ListAdaptersRequest(request_id=new_request_id()), AdaptersReply, timeout)
+        return [AdapterInfo.from_entry(entry) for entry in reply.adapters]
+
+    def stats(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
+        """One snapshot of the daemon's metrics."""
+        return dict(self._call(StatsRequest(request_id=new_request_id()), StatsReply, timeout).stats)
+
+    def ping(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> float:
+        """Round-trip time to the daemon in seconds."""
+        started = time.monotonic()
+        self._call(PingRequest(request_id=new_request_id()), PongReply, timeout)
+        return time.monotonic() - started
+
+
+class Client(_SyncBase):
+    """Blocking client of the daemon's client socket; thread-safe (see module doc).
+
+    endpoint: "ipc://..." or "tcp://..."; default: the client socket in
+    `runtime_dir`, else $LORAPLEX_RUNTIME_DIR, else the default runtime dir.
+    liveness: when to give up on a silent daemon (None: only a closed
+    connection fails requests early). context: a zmq.Context to share
+    (default: the process-wide instance). limits: socket limits and timers.
+    """
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        adapter: str | None = None,
+        *,
+        max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
+        stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
+        timeout: float | None = None, request_id: str | None = None,
+    ) -> GenerateResult:
+        """Generate a completion of `prompt` (text or token ids) with `adapter`
+        (None: the base model) and wait for it.
+
+        timeout: seconds for the whole request (None: no limit, but a lost or
+        hung daemon still fails it, see Liveness); on expiry the request is
+        cancelled and LoraplexError(timeout) raised. request_id: your own id
+        (to cancel() it from another thread); default: a fresh one.
+        Raises LoraplexError for every failure the daemon reports, ValueError
+        for out-of-range arguments.
+        """
+        request = generate_request(
+            prompt, request_id=request_id, adapter=adapter, max_tokens=max_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+            logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=False,
+        )
+        stream = Stream(self, request, timeout)
+        with stream:
+            for _ in stream:
+                pass
+        return stream.finished_result()
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        adapter: str | None = None,
+        *,
+        max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
+        stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
+        timeout: float | None = None, request_id: str | None = None,
+    ) -> Stream:
+        """As generate(), but returns at once with a Stream of chunks; the
+        request is sent before this returns. See Stream for the end convention."""
+        request = generate_request(
+            prompt, request_id=request_id, adapter=adapter, max_tokens=max_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+            logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=True,
+        )
+        return Stream(self, request, timeout)
+
+    def cancel(self, request_id: str) -> None:
+        """Ask the daemon to stop `request_id` (fire and forget). A waiting
+        generate then returns with finish_reason "cancelled"."""
+        msg = CancelRequest(request_id=request_id)
+        if not self._transport.post(msg):
+            raise LoraplexError(ErrorCode.UNAVAILABLE, "the client is closed", request_id)
+
+
+class AdminClient(_SyncBase):
+    """Blocking client of the daemon's admin socket; thread-safe. Arguments
+    as for Client; the default endpoint is the runtime directory's admin socket.
+    Each call returns the `detail` map of the daemon's `admin_ok` reply."""
+
+    _SOCKET = "admin"
+
+    def _admin(self, msg: Message, timeout: float | None) -> dict[str, object]:
+        return dict(self._call(msg, AdminOkReply, timeout).detail)
+
+    def add_adapter(
+        self, name: str, path: str | os.PathLike[str], *, timeout: float | None = 120.0
+    ) -> dict[str, object]:
+        """Register the adapter at `path` (absolute, on the daemon's host) as `name`."""
+        return self._admin(AddAdapterRequest(name=name, path=os.fspath(path), request_id=new_request_id()), timeout)
+
+    def remove_adapter(self, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
+        return self._admin(RemoveAdapterRequest(name=name, request_id=new_request_id()), timeout)
+
+    def pin_adapter(
+        self, name: str, pinned: bool = True, *, timeout: float | None = CONTROL_TIMEOUT_S
+    ) -> dict[str, object]:
+        """Keep `name` GPU-resident (pinned=False: make it evictable again)."""
+        return self._admin(PinAdapterRequest(name=name, pinned=pinned, request_id=new_request_id()), timeout)
+
+    def unpin_adapter(self, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
+        return self.pin_adapter(name, False, timeout=timeout)
+
+    def drain(self, timeout_s: float = 30.0) -> dict[str, object]:
+        """Stop admitting requests and wait up to `timeout_s` for running ones."""
+        msg = DrainRequest(timeout_s=timeout_s, request_id=new_request_id())
+        return self._admin(msg, timeout_s + CONTROL_TIMEOUT_S)
+
+    def set_policy(
+        self, kind: PolicyKind, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S
+    ) -> dict[str, object]:
+        """Switch the "scheduler" or "cache" policy to the one called `name`."""
+        return self._admin(SetPolicyRequest(kind=kind, name=name, request_id=new_request_id()), timeout)

@@ -1,0 +1,102 @@
+"""Messages between the daemon and an engine process (private socket in the runtime dir).
+
+Owns the declarations only: hello (the engine's dimensions, sent once ready),
+adapter load/unload into the engine's host store, step plans and their
+results, shutdown, and engine-side failures. Tensors never travel here; plans
+carry token ids and page indices only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loraplex.ipc.engine_plan import StepPlan, StepResult
+from loraplex.ipc.messages.base import Message, register
+from loraplex.ipc.messages.checks import check_name
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class EngineHello(Message):
+    """First message of a started engine: what it runs and how its pool is laid out."""
+
+    TYPE = "engine_hello"
+    pid: int
+    model_dir: str
+    device: str
+    dtype: str
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    kv_dim: int
+    max_model_len: int
+    num_pages: int
+    page_tokens: int
+    page_elems: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    lora_backend: str = "torch"
+    demo_adapters: dict[str, str] = field(default_factory=dict)  # name -> dir, when serving the demo model
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class EngineLoadAdapter(Message):
+    """Read and validate a PEFT directory into the engine's host store."""
+
+    TYPE = "engine_load_adapter"
+    name: str
+    path: str
+
+    def validate(self) -> None:
+        check_name("name", self.name)
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class EngineAdapterLoaded(Message):
+    TYPE = "engine_adapter_loaded"
+    name: str
+    rank: int
+    target_modules: list[str]
+    num_pages: int
+    nbytes: int
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class EngineUnloadAdapter(Message):
+    TYPE = "engine_unload_adapter"
+    name: str
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class EngineStep(Message):
+    TYPE = "engine_step"
+    plan: StepPlan
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class EngineStepDone(Message):
+    TYPE = "engine_step_done"
+    result: StepResult
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class EngineShutdown(Message):
+    TYPE = "engine_shutdown"
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class EngineFailure(Message):
+    """An order the engine could not carry out; `code` is an ErrorCode value.
+    `fatal` means the engine is exiting and must be restarted."""
+
+    TYPE = "engine_failure"
+    code: str
+    message: str
+    subject: str | None = None  # adapter name or step id the failure is about
+    fatal: bool = False

@@ -1,0 +1,60 @@
+"""Run a real `loraplex serve` in a subprocess for tests, with private runtime
+and state directories, and stop it cleanly (or report how it died)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loraplex.ipc.client import Client, LoraplexError
+
+
+class DaemonProcess:
+    def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.runtime_dir = root / "rt"
+        self.state_dir = root / "state"
+        self.log_path = root / "daemon.log"
+        self.env = {**os.environ, "LORAPLEX_RUNTIME_DIR": str(self.runtime_dir),
+                    "LORAPLEX_STATE_DIR": str(self.state_dir), **(env or {})}
+        self.args = ["--num-pages", "600", "--max-num-seqs", "16", *args]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120.0) -> DaemonProcess:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "serve", *self.args], env=self.env,
+                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            if (self.runtime_dir / "client.sock").exists():
+                try:
+                    with self.client() as c:
+                        c.ping(timeout=2.0)
+                    return self
+                except LoraplexError:
+                    pass
+            time.sleep(0.2)
+        raise TimeoutError(f"daemon did not come up:\n{self.log()}")
+
+    def client(self) -> Client:
+        return Client(runtime_dir=self.runtime_dir)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        return self.proc.returncode

@@ -1,0 +1,260 @@
+"""The daemon end to end, as real processes on CPU: what clients receive equals the
+offline API, streaming, cancel/disconnect free pages, malformed frames, engine death,
+graceful shutdown."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from loraplex.gpu_engine import LLM, SamplingParams
+from loraplex.ipc.client import AdminClient, AsyncClient, LoraplexError
+from loraplex.ipc.protocol import GenerateRequest
+from loraplex.ipc.sockets import make_dealer
+from tests.daemon_process import DaemonProcess
+
+ADAPTERS = [None, "qv-r8", "all-r32", "mlp-r64", "rslora-r16", "attn-r16"]
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (int(k),), generator=g).tolist() for k in torch.randint(4, 60, (n,), generator=g)]
+
+
+@pytest.fixture(scope="module")
+def daemon(demo, tmp_path_factory):
+    proc = DaemonProcess(tmp_path_factory.mktemp("daemon")).start()
+    yield proc
+    status = proc.stop()
+    assert status == 0, proc.log()
+    assert not list(proc.runtime_dir.glob("*.sock")), "socket files left behind"
+
+
+def _kv_pages(daemon) -> int:
+    with daemon.client() as c:
+        return c.stats()["pool"]["kv"]
+
+
+def _wait_idle(daemon, timeout_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with daemon.client() as c:
+            stats = c.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0 and stats["pool"]["kv"] == 0:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"daemon not idle: {stats}")
+        time.sleep(0.1)
+
+
+def test_concurrent_clients_get_exactly_the_offline_tokens(daemon, demo):
+    prompts = _prompts(len(ADAPTERS) * 2)
+    adapters = ADAPTERS * 2
+    llm = LLM(demo.model_dir, num_pages=600)
+    for name in set(adapters) - {None}:
+        llm.add_adapter(name, demo.adapters[name])
+    expected = llm.generate(prompts, adapters=adapters,
+                            sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+
+    async def run() -> list:
+        async with AsyncClient(runtime_dir=daemon.runtime_dir) as client:
+            return await asyncio.gather(*[
+                client.generate(p, adapter=a, max_tokens=12, temperature=0.0, ignore_eos=True, timeout=60)
+                for p, a in zip(prompts, adapters)
+            ])
+
+    results = asyncio.run(run())
+    for exp, got in zip(expected, results):
+        assert got.token_ids == exp.token_ids
+        assert got.text == exp.text
+        assert got.finish_reason == "length"
+        assert got.usage["completion_tokens"] == 12
+        for key in ("queue_ms", "ttft_ms", "tpt_ms", "e2e_ms"):
+            assert got.timings[key] >= 0.0
+        assert got.timings["adapter_path"] in ("base", "cached", "loaded")
+    _wait_idle(daemon)
+
+
+def test_threads_share_one_sync_client(daemon):
+    prompts = _prompts(6, seed=3)
+    results: dict[int, object] = {}
+    with daemon.client() as client:
+        def work(i: int) -> None:
+            results[i] = client.generate(prompts[i], adapter=ADAPTERS[i % len(ADAPTERS)], max_tokens=5,
+                                         temperature=0.0, ignore_eos=True, timeout=60)
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+    assert sorted(results) == list(range(6))
+    assert all(len(r.token_ids) == 5 for r in results.values())
+
+
+def test_streaming_in_order_and_concatenates(daemon):
+    with daemon.client() as client:
+        stream = client.stream("The river that runs", adapter="attn-r16", max_tokens=20, temperature=0.0,
+                               ignore_eos=True, timeout=60)
+        chunks = list(stream)
+        result = stream.result
+    assert result is not None and result.finish_reason == "length"
+    ids = [t for c in chunks for t in c.token_ids]
+    assert ids == result.token_ids
+    assert [c.index for c in chunks if c.token_ids] == list(range(20))
+    assert "".join(c.text for c in chunks) == result.text
+    with daemon.client() as client:
+        again = client.generate("The river that runs", adapter="attn-r16", max_tokens=20, temperature=0.0,
+                                ignore_eos=True, timeout=60)
+    assert again.token_ids == result.token_ids
+
+
+def test_stop_tokens_and_strings(daemon):
+    with daemon.client() as client:
+        free = client.generate("Once upon", max_tokens=16, temperature=0.0, ignore_eos=True, timeout=60)
+        stop_id = free.token_ids[5]
+        first = free.token_ids.index(stop_id)
+        stopped = client.generate("Once upon", max_tokens=16, temperature=0.0, ignore_eos=True,
+                                  stop_token_ids=[stop_id], timeout=60)
+        assert stopped.finish_reason == "stop"
+        assert stopped.token_ids == free.token_ids[: first + 1]
+        needle = free.text[len(free.text) // 2:][:3]
+        if needle.strip():
+            cut = client.generate("Once upon", max_tokens=16, temperature=0.0, ignore_eos=True, stop=[needle],
+                                  timeout=60)
+            assert cut.finish_reason == "stop"
+            assert needle not in cut.text
+            assert free.text.startswith(cut.text)
+
+
+def test_bad_requests_get_error_codes_and_others_keep_going(daemon):
+    with daemon.client() as client:
+        cases = [
+            (dict(prompt=[1, 2, 3], adapter="nope"), "unknown_adapter"),
+            (dict(prompt=list(range(3, 500)) * 10), "prompt_too_long"),
+            (dict(prompt=[1, 2, 100000]), "invalid_token"),
+        ]
+        for kwargs, code in cases:
+            prompt = kwargs.pop("prompt")
+            with pytest.raises(LoraplexError) as err:
+                client.generate(prompt, max_tokens=4, timeout=30, **kwargs)
+            assert err.value.code.value == code, err.value
+        ok = client.generate([5, 6, 7], max_tokens=3, temperature=0.0, ignore_eos=True, timeout=30)
+        assert len(ok.token_ids) == 3
+
+
+def test_cancel_and_disconnect_return_pages(daemon):
+    with daemon.client() as client:
+        stream = client.stream(_prompts(1, seed=9)[0], adapter="mlp-r64", max_tokens=5000, ignore_eos=True,
+                               temperature=0.0, timeout=120)
+        it = iter(stream)
+        next(it)
+        assert _kv_pages(daemon) > 0
+        stream.close()  # leaving a stream early sends a cancel
+    _wait_idle(daemon)
+    with daemon.client() as client:
+        result: list = []
+        worker = threading.Thread(target=lambda: result.append(client.generate(
+            [7, 7, 7], max_tokens=5000, ignore_eos=True, temperature=0.0, timeout=120, request_id="to-cancel")))
+        worker.start()
+        deadline = time.monotonic() + 30
+        while _kv_pages(daemon) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client.cancel("to-cancel")
+        worker.join(60)
+    assert result and result[0].finish_reason == "cancelled"
+    _wait_idle(daemon)
+    # A raw client that vanishes mid-stream: the daemon notices on its next send and frees the pages.
+    ctx = zmq.Context()
+    sock = make_dealer(ctx, f"ipc://{daemon.runtime_dir}/client.sock")
+    sock.send(GenerateRequest(request_id="vanish", prompt_token_ids=[5, 6, 7], max_tokens=5000, stream=True,
+                              ignore_eos=True))
+    sock.recv(timeout_ms=30000)
+    sock.close()
+    ctx.term()
+    stats = _wait_idle(daemon)
+    assert stats["cancelled"] >= 2
+
+
+def test_malformed_frames_do_not_disturb_a_streaming_client(daemon):
+    stop = threading.Event()
+    replies: list[bytes] = []
+
+    def attacker() -> None:
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(f"ipc://{daemon.runtime_dir}/client.sock")
+        payloads = [b"", b"\xc1", b"\x81\xa1v\x01", b"\x92\x01\x02", os.urandom(64), b"\xd4\x01\x00",
+                    b"\x82\xa1v\x01\xa4type\xa8generate"]
+        i = 0
+        while not stop.is_set():
+            raw.send(payloads[i % len(payloads)])
+            i += 1
+            if raw.poll(5):
+                replies.append(raw.recv())
+        raw.close()
+        ctx.term()
+
+    thread = threading.Thread(target=attacker)
+    thread.start()
+    try:
+        with daemon.client() as client:
+            stream = client.stream("A good client", max_tokens=24, temperature=0.0, ignore_eos=True, timeout=60)
+            chunks = list(stream)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert stream.result is not None and len(stream.result.token_ids) == 24
+    assert len(chunks) >= 24
+    assert replies, "malformed frames got no error reply"
+
+
+def test_admin_add_and_remove_adapter(daemon, demo):
+    with AdminClient(runtime_dir=daemon.runtime_dir) as admin:
+        admin.add_adapter("extra", str(demo.adapters["kdown-r8"]))
+        names = {a.name for a in admin.adapters()}
+        assert "extra" in names
+        with pytest.raises(LoraplexError) as err:
+            admin.add_adapter("extra", str(demo.adapters["kdown-r8"]))
+        assert err.value.code.value == "already_exists"
+    with daemon.client() as client:
+        via_new = client.generate([9, 8, 7], adapter="extra", max_tokens=4, temperature=0.0, ignore_eos=True,
+                                  timeout=30)
+        via_old = client.generate([9, 8, 7], adapter="kdown-r8", max_tokens=4, temperature=0.0, ignore_eos=True,
+                                  timeout=30)
+    assert via_new.token_ids == via_old.token_ids
+    with AdminClient(runtime_dir=daemon.runtime_dir) as admin:
+        admin.remove_adapter("extra")
+        assert "extra" not in {a.name for a in admin.adapters()}
+
+
+def test_engine_killed_fails_cleanly_then_serves_again(daemon):
+    with daemon.client() as client:
+        pid = client.stats()["engine"]["pid"]
+        stream = client.stream([4, 5, 6], max_tokens=5000, ignore_eos=True, temperature=0.0, timeout=120)
+        it = iter(stream)
+        next(it)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(LoraplexError) as err:
+            for _ in it:
+                pass
+        assert err.value.code.value == "engine_failed"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with daemon.client() as client:
+                out = client.generate([4, 5, 6], max_tokens=4, temperature=0.0, ignore_eos=True, timeout=60)
+                stats = client.stats()
+            break
+        except LoraplexError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    assert len(out.token_ids) == 4
+    assert stats["engine_restarts"] >= 1 and stats["engine"]["pid"] != pid
