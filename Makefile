@@ -11,7 +11,7 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 TORCH_CPU_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test venv bench clean
+.PHONY: run demo test venv bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h) $(VE
 venv: $(VENV)/.installed
 
 run: venv
+	@echo "loraplex: serving the built-in demo model in the foreground (Ctrl-C drains and stops)."
+	@echo "  In another terminal:  .venv/bin/loraplex generate --stream --adapter qv-r8 'Once upon a time'"
+	@echo "                        .venv/bin/loraplex adapters list;  .venv/bin/loraplex stats"
+	$(PY) -m loraplex.cli serve
+
+demo: venv
 	$(PY) -m loraplex.cli demo
 
 test: venv

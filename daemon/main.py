@@ -101,6 +101,9 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
         tasks.append(asyncio.create_task(publish_stats(core, pub, config.server.stats_interval_s), name="stats"))
         log.info("serving on %s (admin %s, stats %s)%s", eps.client, eps.admin, eps.stats,
                  f", {config.server.tcp_listen}" if config.server.tcp_listen else "")
+        names = [e.name for e in core.adapters.entries() if e.state == "ready"]
+        log.info("ready: %d adapters (%s). Try: loraplex generate --stream --adapter %s 'Once upon a time'",
+                 len(names), ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""), names[0] if names else "NAME")
         if ready is not None:
             ready.set()
         await stop.wait()
@@ -109,8 +112,7 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
             log.warning("drain timed out; failing the remaining requests")
         return 0
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        # The signal handlers stay installed: a second SIGTERM while draining must not kill us mid-cleanup.
         await core.stop()
         for task in tasks:
             task.cancel()

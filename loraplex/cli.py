@@ -134,7 +134,151 @@ def _run_serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
+def _runtime_dir_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runtime-dir", type=Path, default=None,
+                        help="the daemon's runtime directory (default: $LORAPLEX_RUNTIME_DIR or the default one)")
+
+
+def _configure_generate(parser: argparse.ArgumentParser) -> None:
+    _runtime_dir_arg(parser)
+    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("--adapter", default=None, help="adapter name (default: the base model)")
+    parser.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from loraplex.ipc.client import Client, LoraplexError
+
+    options = dict(adapter=args.adapter, max_tokens=args.max_tokens, temperature=args.temperature,
+                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or None,
+                   ignore_eos=args.ignore_eos, timeout=args.timeout)
+    try:
+        with Client(runtime_dir=args.runtime_dir) as client:
+            if args.stream:
+                stream = client.stream(args.prompt, **options)
+                for chunk in stream:
+                    print(chunk.text, end="", flush=True)
+                print()
+                result = stream.finished_result()
+            else:
+                result = client.generate(args.prompt, **options)
+                print(result.text)
+    except (LoraplexError, ValueError) as exc:
+        print(f"loraplex generate: error: {exc}", file=sys.stderr)
+        return 1
+    t = result.timings
+    print(f"[{result.finish_reason}; {result.usage.get('completion_tokens')} tokens; ttft {t.get('ttft_ms', 0):.1f} ms; "
+          f"{t.get('tpt_ms', 0):.1f} ms/token; adapter {t.get('adapter_path')}]", file=sys.stderr)
+    return 0
+
+
+def _configure_adapters(parser: argparse.ArgumentParser) -> None:
+    _runtime_dir_arg(parser)
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="registry location used when no daemon is running")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    sub.add_parser("list", help="list registered adapters")
+    add = sub.add_parser("add", help="register an adapter (PEFT directory)")
+    add.add_argument("name")
+    add.add_argument("path", type=Path)
+    rm = sub.add_parser("rm", help="unregister an adapter")
+    rm.add_argument("name")
+    for action in ("pin", "unpin"):
+        p = sub.add_parser(action, help=f"{action} an adapter in the GPU cache")
+        p.add_argument("name")
+
+
+def _run_adapters(args: argparse.Namespace) -> int:
+    """Through the running daemon's admin socket; with no daemon, straight on the registry."""
+    from loraplex.ipc.client import AdminClient, LoraplexError
+
+    try:
+        with AdminClient(runtime_dir=args.runtime_dir) as admin:
+            admin.ping(timeout=2.0)
+            return _adapters_via_daemon(admin, args)
+    except LoraplexError as exc:
+        if exc.code.value != "unavailable":
+            print(f"loraplex adapters: error: {exc}", file=sys.stderr)
+            return 1
+    return _adapters_via_registry(args)
+
+
+def _adapters_via_daemon(admin, args: argparse.Namespace) -> int:
+    if args.action == "list":
+        for a in admin.adapters():
+            print(f"{a.name}\trank={a.rank}\t{a.state}\t{a.path}")
+    elif args.action == "add":
+        admin.add_adapter(args.name, str(args.path.resolve()))
+        print(f"added {args.name}")
+    elif args.action == "rm":
+        admin.remove_adapter(args.name)
+        print(f"removed {args.name}")
+    else:
+        admin.pin_adapter(args.name, args.action == "pin")
+        print(f"{args.action}ned {args.name}")
+    return 0
+
+
+def _adapters_via_registry(args: argparse.Namespace) -> int:
+    from loraplex.daemon.config import default_state_dir
+    from loraplex.daemon.registry import AdapterRegistry, RegistryError
+
+    state_dir = args.state_dir or default_state_dir()
+    try:
+        with AdapterRegistry(state_dir / "registry.sqlite3") as registry:
+            if args.action == "list":
+                for r in registry.list():
+                    print(f"{r.name}\trank={r.rank or '?'}\tregistered\t{r.path}")
+            elif args.action == "add":
+                if not (args.path / "adapter_config.json").is_file():
+                    print(f"loraplex adapters: error: {args.path} has no adapter_config.json", file=sys.stderr)
+                    return 1
+                registry.add(args.name, str(args.path.resolve()), source="cli")
+                print(f"added {args.name} (validated when the daemon starts)")
+            elif args.action == "rm":
+                registry.remove(args.name)
+                print(f"removed {args.name}")
+            else:
+                registry.set_pinned(args.name, args.action == "pin")
+                print(f"{args.action}ned {args.name}")
+    except (RegistryError, OSError) as exc:
+        print(f"loraplex adapters: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _configure_stats(parser: argparse.ArgumentParser) -> None:
+    _runtime_dir_arg(parser)
+
+
+def _run_stats(args: argparse.Namespace) -> int:
+    import json
+
+    from loraplex.ipc.client import Client, LoraplexError
+
+    try:
+        with Client(runtime_dir=args.runtime_dir) as client:
+            print(json.dumps(client.stats(), indent=2, sort_keys=True))
+    except LoraplexError as exc:
+        print(f"loraplex stats: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
+    "generate": Command(help="generate a completion through the running daemon", configure=_configure_generate,
+                        run=_run_generate),
+    "adapters": Command(help="list, add, remove or pin adapters", configure=_configure_adapters,
+                        run=_run_adapters),
+    "stats": Command(help="print the daemon's metrics as JSON", configure=_configure_stats, run=_run_stats),
     "serve": Command(
         help="run the daemon in the foreground (Ctrl-C drains and stops)",
         configure=_configure_serve,
@@ -171,7 +315,11 @@ def serve_main() -> int:
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default sys.argv[1:]), run the chosen command, return its exit status."""
     args = build_parser().parse_args(argv)
-    return COMMANDS[args.command].run(args)
+    try:
+        return COMMANDS[args.command].run(args)
+    except BrokenPipeError:  # output piped into `head` and closed early
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

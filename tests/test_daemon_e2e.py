@@ -258,3 +258,41 @@ def test_engine_killed_fails_cleanly_then_serves_again(daemon):
             time.sleep(0.5)
     assert len(out.token_ids) == 4
     assert stats["engine_restarts"] >= 1 and stats["engine"]["pid"] != pid
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_cleanly(demo, tmp_path):
+    proc = DaemonProcess(tmp_path).start()
+    results: list = []
+    with proc.client() as client:
+        worker = threading.Thread(target=lambda: results.append(client.generate(
+            [3, 4, 5], max_tokens=40, temperature=0.0, ignore_eos=True, timeout=120)))
+        worker.start()
+        deadline = time.monotonic() + 30
+        while client.stats()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.proc.send_signal(signal.SIGTERM)
+        worker.join(120)
+        with pytest.raises(LoraplexError) as err:
+            client.generate([3, 4, 5], max_tokens=2, timeout=10)
+        assert err.value.code.value in ("shutting_down", "unavailable")
+    assert proc.stop() == 0, proc.log()
+    assert results and results[0].finish_reason == "length" and len(results[0].token_ids) == 40
+    assert not list(proc.runtime_dir.glob("*.sock"))
+    assert "stopped" in proc.log()
+
+
+def test_cli_generate_and_adapters(daemon, demo):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LORAPLEX_RUNTIME_DIR": str(daemon.runtime_dir)}
+    out = subprocess.run([sys.executable, "-m", "loraplex.cli", "generate", "--adapter", "qv-r8", "--max-tokens", "6",
+                          "--ignore-eos", "Hello"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "6 tokens" in out.stderr
+    listing = subprocess.run([sys.executable, "-m", "loraplex.cli", "adapters", "list"], env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert listing.returncode == 0 and "qv-r8" in listing.stdout
+    bad = subprocess.run([sys.executable, "-m", "loraplex.cli", "generate", "--adapter", "nope", "x"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "unknown_adapter" in bad.stderr
