@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import signal
 import sys
+from typing import Callable
 
 import zmq.asyncio
 
@@ -34,7 +35,10 @@ def register_startup_adapters(config: LoraplexConfig, registry: AdapterRegistry)
         registry.add(name, resolved, source="flag", replace=True)
 
 
-async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = None) -> int:
+async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = None,
+                     engine_factory: Callable[..., EngineLink] = EngineLink) -> int:
+    """Serve until stopped. `engine_factory` is EngineLink's signature; tests and the
+    overhead benchmark inject a stub there to measure the control plane alone."""
     runtime_dir = ensure_runtime_dir(config.server.resolved_runtime_dir)
     eps = endpoints(runtime_dir)
     registry = AdapterRegistry(config.server.registry_path)
@@ -58,7 +62,7 @@ async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = No
             sockets.append(listeners[-1].sock)
         pub = make_pub(ctx, eps.stats, limits=limits)
         sockets.append(pub)
-        engine = EngineLink(ctx, runtime_dir, dataclasses.asdict(config.model),
+        engine = engine_factory(ctx, runtime_dir, dataclasses.asdict(config.model),
                             start_timeout_s=config.server.engine_start_timeout_s,
                             step_timeout_s=config.server.engine_step_timeout_s)
         return await _serve(config, registry, listeners, pub, engine, eps, ready)

@@ -29,6 +29,7 @@ class ClientRequest:
     first_scheduled: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    first_step_engine_ms: float | None = None  # engine compute of the step that produced the first token
 
     @property
     def request_id(self) -> str:
@@ -77,6 +78,8 @@ class ClientRequest:
             timings["ttft_ms"] = _ms(self.first_token_at - self.arrival)
             n = len(self.token_ids)
             timings["tpt_ms"] = _ms((self.last_token_at - self.first_token_at) / (n - 1)) if n > 1 else 0.0
+        if self.first_step_engine_ms is not None:
+            timings["first_step_engine_ms"] = self.first_step_engine_ms
         return DoneReply(
             request_id=self.request_id, finish_reason=finish_reason,
             usage={"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.token_ids)},

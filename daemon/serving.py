@@ -222,12 +222,14 @@ class ServingCore:
         failures = 0
         while True:
             await self._work.wait()
+            policy_started = time.perf_counter()
             plan = self.scheduler.schedule() if self.scheduler is not None else None
             if plan is None:
                 self._work.clear()
                 continue
             self._mark_scheduled(plan)
             started = time.perf_counter()
+            schedule_ms = (started - policy_started) * 1e3
             try:
                 reply = await self.engine.call(EngineStep(plan=plan))
             except EngineRefused as exc:
@@ -243,8 +245,10 @@ class ServingCore:
                 continue
             failures = 0
             if isinstance(reply, EngineStepDone):
-                self.stats.step(plan, reply.result, (time.perf_counter() - started) * 1e3)
+                returned = time.perf_counter()
                 await self._apply(plan, reply)
+                self.stats.step(plan, reply.result, (returned - started) * 1e3,
+                                schedule_ms + (time.perf_counter() - returned) * 1e3)
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         placed = {p.name for p in plan.place}
@@ -263,6 +267,8 @@ class ServingCore:
             state = self.requests.get(row.request_id)
             if state is None:
                 continue
+            if state.first_token_at is None:
+                state.first_step_engine_ms = reply.result.forward_ms + reply.result.sample_ms
             chunk, stopped = state.on_token(row.token_id, row.logprob)
             if chunk is not None:
                 await self._send(state.identity, chunk)

@@ -43,14 +43,17 @@ class ServingStats:
     step_ms: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     engine_ms: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     batch_rows: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    policy_ms: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def accepted(self, adapter: str | None) -> None:
         self.requests += 1
         self.by_adapter[adapter or "<base>"] += 1
 
-    def step(self, plan: StepPlan, result: StepResult, round_trip_ms: float) -> None:
+    def step(self, plan: StepPlan, result: StepResult, round_trip_ms: float, policy_ms: float) -> None:
+        """round_trip_ms: plan sent -> result back; policy_ms: scheduling + result handling in the daemon."""
         self.steps += 1
         self.step_ms.append(round_trip_ms)
+        self.policy_ms.append(policy_ms)
         self.engine_ms.append(result.forward_ms + result.sample_ms)
         self.batch_rows.append(len(plan.rows))
 
@@ -75,7 +78,8 @@ class ServingStats:
         latency = {
             name: {"p50": _percentile(window, 0.5), "p99": _percentile(window, 0.99), "n": len(window)}
             for name, window in (("ttft_ms", self.ttft_ms), ("tpt_ms", self.tpt_ms), ("e2e_ms", self.e2e_ms),
-                                 ("step_ms", self.step_ms), ("engine_ms", self.engine_ms))
+                                 ("step_ms", self.step_ms), ("engine_ms", self.engine_ms),
+                                 ("policy_ms", self.policy_ms))
         }
         mean_step = sum(self.step_ms) / len(self.step_ms) if self.step_ms else 0.0
         mean_engine = sum(self.engine_ms) / len(self.engine_ms) if self.engine_ms else 0.0
@@ -90,5 +94,6 @@ class ServingStats:
             "latency": latency,
             "mean_batch_rows": sum(self.batch_rows) / len(self.batch_rows) if self.batch_rows else 0.0,
             "control_overhead_ms": max(0.0, mean_step - mean_engine),
+            "policy_ms_mean": sum(self.policy_ms) / len(self.policy_ms) if self.policy_ms else 0.0,
             **live,
         }

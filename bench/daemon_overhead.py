@@ -1,0 +1,187 @@
+"""Daemon overhead figures (issue: daemon, ZeroMQ/msgpack protocol and client):
+
+1. control-plane cost per step on the demo model: daemon<->engine round trip
+   minus the engine's own compute, in microseconds and as % of step time, plus
+   the daemon's scheduling/result-handling time per step;
+2. client-to-first-token overhead beyond engine time: client-measured TTFT minus
+   the engine compute of the step that produced the first token;
+3. requests/s the daemon sustains with a stub engine that answers at once.
+
+Every run starts its own daemon(s) in private runtime dirs. `--json` prints one
+JSON object on stdout; progress goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from loraplex.ipc.client import AsyncClient, Client, LoraplexError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _log(msg: str) -> None:
+    print(f"[daemon_overhead] {msg}", file=sys.stderr, flush=True)
+
+
+def _start(args: list[str], runtime_dir: Path, env: dict[str, str]) -> subprocess.Popen:
+    proc = subprocess.Popen(args, env={**env, "LORAPLEX_RUNTIME_DIR": str(runtime_dir)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode}")
+        try:
+            with Client(runtime_dir=runtime_dir) as c:
+                c.ping(timeout=1.0)
+            return proc
+        except LoraplexError:
+            time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError("daemon did not start")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def measure_real(concurrency: int, max_tokens: int, ttft_samples: int, env: dict[str, str]) -> dict:
+    with tempfile.TemporaryDirectory(prefix="lpx-bench-") as tmp:
+        rt = Path(tmp) / "rt"
+        env = {**env, "LORAPLEX_STATE_DIR": str(Path(tmp) / "state")}
+        proc = _start([sys.executable, "-m", "loraplex.cli", "serve", "--num-pages", "2048"], rt, env)
+        try:
+            _log(f"demo model: {concurrency} concurrent streams x {max_tokens} tokens")
+            adapters = [None, "qv-r8", "attn-r16", "all-r32", "mlp-r64", "rslora-r16", "kdown-r8"]
+
+            async def load() -> None:
+                async with AsyncClient(runtime_dir=rt) as client:
+                    await asyncio.gather(*[
+                        client.generate([5 + i, 17, 99, 240], adapter=adapters[i % len(adapters)],
+                                        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=600)
+                        for i in range(concurrency)])
+
+            asyncio.run(load())
+            with Client(runtime_dir=rt) as c:
+                stats = c.stats()
+                _log(f"{ttft_samples} sequential requests for client TTFT")
+                overheads, client_ttfts, engine_first = [], [], []
+                for i in range(ttft_samples):
+                    started = time.perf_counter()
+                    stream = c.stream([7, 8 + i % 50, 9] * 8, max_tokens=2, temperature=0.0, ignore_eos=True,
+                                      timeout=120)
+                    first = None
+                    for chunk in stream:
+                        if first is None and chunk.token_ids:
+                            first = time.perf_counter()
+                    result = stream.finished_result()
+                    client_ms = ((first or time.perf_counter()) - started) * 1e3
+                    engine_ms = float(result.timings.get("first_step_engine_ms", 0.0))
+                    client_ttfts.append(client_ms)
+                    engine_first.append(engine_ms)
+                    overheads.append(client_ms - engine_ms)
+        finally:
+            _stop(proc)
+    lat = stats["latency"]
+    step_ms = lat["step_ms"]["p50"]
+    engine_ms = lat["engine_ms"]["p50"]
+    round_trip_us = stats["control_overhead_ms"] * 1e3
+    return {
+        "steps": stats["steps"],
+        "mean_batch_rows": stats["mean_batch_rows"],
+        "step_ms_p50": step_ms,
+        "engine_ms_p50": engine_ms,
+        "control_round_trip_us_mean": round_trip_us,
+        "control_round_trip_pct_of_step": 100.0 * stats["control_overhead_ms"] / max(1e-9, step_ms),
+        "daemon_policy_ms_mean": stats["policy_ms_mean"],
+        "daemon_policy_pct_of_step": 100.0 * stats["policy_ms_mean"] / max(1e-9, step_ms + stats["policy_ms_mean"]),
+        "client_ttft_ms_median": statistics.median(client_ttfts),
+        "first_step_engine_ms_median": statistics.median(engine_first),
+        "client_ttft_overhead_ms_median": statistics.median(overheads),
+        "client_ttft_overhead_ms_p90": sorted(overheads)[int(0.9 * (len(overheads) - 1))],
+    }
+
+
+def measure_stub(clients: int, requests: int, max_tokens: int, env: dict[str, str]) -> dict:
+    with tempfile.TemporaryDirectory(prefix="lpx-bench-") as tmp:
+        rt = Path(tmp) / "rt"
+        env = {**env, "LORAPLEX_STATE_DIR": str(Path(tmp) / "state"), "PYTHONPATH": str(ROOT)}
+        proc = _start([sys.executable, str(Path(__file__).resolve()), "--serve-stub"], rt, env)
+        try:
+            _log(f"stub engine: {clients} clients x {requests} requests, {max_tokens} tokens each")
+
+            async def one_client(n: int) -> None:
+                async with AsyncClient(runtime_dir=rt) as client:
+                    for _ in range(n):
+                        await client.generate([5, 6, 7], max_tokens=max_tokens, ignore_eos=True, timeout=120)
+
+            async def load() -> float:
+                started = time.perf_counter()
+                await asyncio.gather(*[one_client(requests // clients) for _ in range(clients)])
+                return time.perf_counter() - started
+
+            elapsed = asyncio.run(load())
+        finally:
+            _stop(proc)
+    done = (requests // clients) * clients
+    return {"clients": clients, "requests": done, "max_tokens": max_tokens, "seconds": elapsed,
+            "requests_per_s": done / elapsed, "tokens_per_s": done * max_tokens / elapsed}
+
+
+def serve_stub() -> int:
+    sys.path.insert(0, str(ROOT))
+    from bench.stub_engine import StubEngineLink
+    from loraplex.daemon.config import load_config
+    from loraplex.daemon.main import run_daemon
+
+    import uvloop
+
+    config = load_config(None, overrides={"scheduler.max_num_seqs": 256, "scheduler.max_batched_tokens": 4096})
+    return uvloop.run(run_daemon(config, engine_factory=StubEngineLink))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ttft-samples", type=int, default=20)
+    parser.add_argument("--stub-clients", type=int, default=16)
+    parser.add_argument("--stub-requests", type=int, default=2000)
+    parser.add_argument("--stub-max-tokens", type=int, default=1)
+    parser.add_argument("--serve-stub", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_stub:
+        return serve_stub()
+    env = dict(os.environ)
+    report = {
+        "benchmark": "daemon_overhead",
+        "env": {"python": sys.version.split()[0], "cpu_count": os.cpu_count(), "loadavg_1m": os.getloadavg()[0]},
+        "demo_model": measure_real(args.concurrency, args.max_tokens, args.ttft_samples, env),
+        "stub_engine": measure_stub(args.stub_clients, args.stub_requests, args.stub_max_tokens, env),
+    }
+    report["env"]["loadavg_1m_after"] = os.getloadavg()[0]
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for section in ("demo_model", "stub_engine"):
+            print(section)
+            for key, value in report[section].items():
+                print(f"  {key:36s} {value:.3f}" if isinstance(value, float) else f"  {key:36s} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""A stub engine link that answers every order at once, with no model.
+
+Exists only to measure the daemon's own overhead (requests/s it sustains,
+control-plane cost): injected through `run_daemon(engine_factory=...)`. It
+speaks the same messages as a real engine, so the daemon runs unchanged.
+"""
+from __future__ import annotations
+
+import os
+
+from loraplex.ipc.engine_plan import RowResult, StepResult
+from loraplex.ipc.protocol import (
+    EngineAdapterLoaded,
+    EngineHello,
+    EngineLoadAdapter,
+    EngineStep,
+    EngineStepDone,
+    EngineUnloadAdapter,
+    Message,
+)
+
+STUB_TOKEN = 42
+
+
+class StubEngineLink:
+    def __init__(self, ctx, runtime_dir, spec, **_: object) -> None:
+        self.hello: EngineHello | None = None
+        self.starts = 0
+
+    def alive(self) -> bool:
+        return self.hello is not None
+
+    async def start(self) -> EngineHello:
+        self.starts += 1
+        self.hello = EngineHello(pid=os.getpid(), model_dir="/nonexistent-stub", device="stub", dtype="none",
+                                 vocab_size=512, num_layers=1, hidden_size=256, kv_dim=128, max_model_len=4096,
+                                 num_pages=100_000, page_tokens=16, page_elems=4096, eos_token_ids=[2])
+        return self.hello
+
+    async def call(self, order: Message, timeout_s: float | None = None) -> Message:
+        if isinstance(order, EngineStep):
+            rows = [RowResult(request_id=r.request_id, token_id=STUB_TOKEN, logprob=None)
+                    for r in order.plan.rows if r.sample]
+            return EngineStepDone(result=StepResult(step_id=order.plan.step_id, rows=rows))
+        if isinstance(order, (EngineLoadAdapter, EngineUnloadAdapter)):
+            return EngineAdapterLoaded(name=order.name, rank=8, target_modules=["q_proj"], num_pages=1, nbytes=0)
+        raise ValueError(f"stub engine cannot handle {order.TYPE}")
+
+    async def stop(self) -> None:
+        self.hello = None
+
+    def describe(self) -> dict:
+        return {"index": 0, "pid": os.getpid(), "alive": self.alive(), "starts": self.starts, "device": "stub"}
