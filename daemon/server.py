@@ -141,8 +141,8 @@ class Dispatcher:
                                    f"{msg.kind} policy {msg.name!r} is not available; this build has {current!r}")
                 return AdminOkReply(detail={msg.kind: current}, request_id=rid)
         except RegistryError as exc:
-            code = {"already_exists": ErrorCode.ALREADY_EXISTS, "not_found": ErrorCode.NOT_FOUND}.get(
-                exc.code, ErrorCode.INVALID_FIELD)
+            code = {"already_exists": ErrorCode.ALREADY_EXISTS, "not_found": ErrorCode.NOT_FOUND,
+                    "forbidden_path": ErrorCode.FORBIDDEN_PATH}.get(exc.code, ErrorCode.INVALID_FIELD)
             raise Rejected(code, str(exc)) from None
         raise Rejected(ErrorCode.UNKNOWN_TYPE, f"unhandled admin message {msg.TYPE}")
 

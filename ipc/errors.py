@@ -44,6 +44,8 @@ class ErrorCode(str, Enum):
     # The engine serving the request died or reported a failure.
     ENGINE_FAILED = "engine_failed"
     SHUTTING_DOWN = "shutting_down"
+    # An adapter path outside the directories the operator allowed.
+    FORBIDDEN_PATH = "forbidden_path"
     # The daemon cannot be reached, its connection was lost, or it stopped
     # answering liveness probes (raised by the client library, never sent).
     UNAVAILABLE = "unavailable"
