@@ -296,3 +296,43 @@ def test_cli_generate_and_adapters(daemon, demo):
     bad = subprocess.run([sys.executable, "-m", "loraplex.cli", "generate", "--adapter", "nope", "x"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "unknown_adapter" in bad.stderr
+
+
+def test_raw_socket_bad_inputs_get_stable_codes(daemon):
+    import msgpack
+
+    from loraplex.ipc.codec import decode
+
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"ipc://{daemon.runtime_dir}/client.sock")
+
+    def ask(body: bytes):
+        raw.send(body)
+        assert raw.poll(30000), "no reply"
+        return decode(raw.recv())
+
+    def generate(**fields) -> bytes:
+        base = {"v": 1, "type": "generate", "request_id": "dup", "prompt_token_ids": [5, 6, 7],
+                "max_tokens": 3000, "ignore_eos": True, "stream": False}
+        return msgpack.packb({**base, **fields})
+
+    try:
+        assert ask(msgpack.packb({"v": 1, "type": "generate", "request_id": "t", "prompt_token_ids": [1],
+                                  "temperature": -1.0})).code == "invalid_field"
+        assert ask(msgpack.packb({"v": 9, "type": "ping"})).code == "unsupported_version"
+        assert ask(msgpack.packb({"v": 1, "type": "launch_missiles"})).code == "unknown_type"
+        assert ask(msgpack.packb({"v": 1, "type": "add_adapter", "name": "x", "path": "/x"})).code == "unknown_type"
+        raw.send(generate())  # a long request under id "dup" ...
+        time.sleep(0.2)
+        dup = ask(generate(max_tokens=2))  # ... a second one with the same id is refused
+        assert dup.code == "duplicate_request" and dup.request_id == "dup"
+        raw.send(msgpack.packb({"v": 1, "type": "cancel", "request_id": "dup"}))
+        assert raw.poll(30000)
+        done = decode(raw.recv())
+        assert done.TYPE == "done" and done.finish_reason == "cancelled"
+    finally:
+        raw.close()
+        ctx.term()
+    _wait_idle(daemon)
