@@ -36,7 +36,13 @@ class Executor:
         self.device = device
         self.geometry = geometry
         self.pool = UnifiedPool(cfg.num_layers, num_pages, geometry, device=device, dtype=dtype)
-        self.model = LlamaModel(cfg, weights, make_lora_backend(lora_backend))
+        lora = make_lora_backend(lora_backend)
+        attention = None
+        if lora_backend == "triton":  # the Triton build runs paged attention through its kernels too
+            from loraplex.gpu_engine.model.attention_triton import TritonPagedAttention
+
+            attention = TritonPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+        self.model = LlamaModel(cfg, weights, lora, attention=attention)
         self.host: dict[str, HostEntry] = {}
         self.resident: dict[str, ResidentLora] = {}
 

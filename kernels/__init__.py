@@ -1,1 +1,13 @@
-"""Triton kernels for multi-LoRA and paged attention, each with a torch reference."""
+"""Triton kernels for multi-LoRA and paged attention over the unified pool, one op per module,
+each with a launcher that checks its arguments and a torch reference beside it.
+
+- `lora_bgmv`: decode LoRA, one token per row, tiles padded to the batch's max rank (Punica BGMV).
+- `lora_mbgmv`: decode LoRA, each row looping over its own rank only (MBGMV).
+- `lora_sgmv`: prefill LoRA over adapter-sorted token segments, a rank per segment (SGMV/MBGMM).
+- `paged_attention_prefill`: causal variable-length attention, GQA, sliding window.
+- `paged_attention_decode`: flash-decoding split over the context plus a reduction.
+- `lora_tables` / `paged_kv`: the metadata the kernels read and the references they must equal.
+- `runtime`: where kernels may run (CUDA, or CPU under TRITON_INTERPRET=1) and argument checks.
+
+Importing this package does not import triton; the op modules do (set TRITON_INTERPRET first).
+"""

@@ -160,8 +160,8 @@ def test_remove_adapter(demo):
 
 
 def test_unsupported_backend_and_device(demo):
-    with pytest.raises(ValueError, match="not available yet"):
-        LLM(demo.model_dir, lora_backend="triton")
+    with pytest.raises(ValueError, match="lora_backend must be one of"):
+        LLM(demo.model_dir, lora_backend="punica")
     with pytest.raises(ValueError, match="dtype"):
         LLM(demo.model_dir, dtype="float64")
 

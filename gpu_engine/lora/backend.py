@@ -24,5 +24,7 @@ def make_lora_backend(name: str) -> LoraBackend:
     if name == "torch":
         return TorchLoraBackend()
     if name == "triton":
-        raise ValueError("lora_backend='triton' is not available yet in this build; use lora_backend='torch'")
+        from loraplex.gpu_engine.lora.triton_backend import TritonLoraBackend  # raises when Triton cannot run here
+
+        return TritonLoraBackend()
     raise ValueError(f"lora_backend must be one of {LORA_BACKENDS}, got {name!r}")
