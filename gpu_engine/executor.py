@@ -13,7 +13,8 @@ import torch
 from loraplex.daemon.memory.geometry import AdapterLayout, PageGeometry, plan_adapter_layout
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
 from loraplex.gpu_engine.lora.backend import make_lora_backend
-from loraplex.gpu_engine.lora.torch_backend import LoraGroup, ResidentLora, place_adapter
+from loraplex.gpu_engine.adapter_loader import AdapterLoader, GroupLoad
+from loraplex.gpu_engine.lora.torch_backend import LoraGroup, ResidentLora, resident_lora
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.batch import ForwardBatch, RowSpan
 from loraplex.gpu_engine.model.llama import LlamaModel
@@ -31,7 +32,8 @@ class HostEntry:
 
 class Executor:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, geometry: PageGeometry, num_pages: int, *,
-                 device: torch.device, dtype: torch.dtype, lora_backend: str = "torch") -> None:
+                 device: torch.device, dtype: torch.dtype, lora_backend: str = "torch",
+                 load_throttle_bytes_s: float | None = None) -> None:
         self.cfg = cfg
         self.device = device
         self.geometry = geometry
@@ -45,6 +47,9 @@ class Executor:
         self.model = LlamaModel(cfg, weights, lora, attention=attention)
         self.host: dict[str, HostEntry] = {}
         self.resident: dict[str, ResidentLora] = {}
+        self.loader = AdapterLoader(self.pool, throttle_bytes_per_s=load_throttle_bytes_s)
+        self.loads: dict[str, GroupLoad] = {}  # adapters whose layer groups may still be arriving
+        self.cpu_assist = None  # CpuAssistEngine when CPU workers are attached (engine process)
 
     # ---- host store -------------------------------------------------------------------------
     def add_host_adapter(self, adapter: HostAdapter) -> AdapterLayout:
@@ -54,20 +59,30 @@ class Executor:
         return layout
 
     def remove_host_adapter(self, name: str) -> None:
+        self._drop_resident(name)
         self.host.pop(name, None)
+
+    def _drop_resident(self, name: str) -> None:
+        load = self.loads.pop(name, None)
+        if load is not None:
+            for layer_group in load.groups:  # its pages may be reused at once: let the copies finish
+                load.wait_layer(layer_group.start)
         self.resident.pop(name, None)
 
     # ---- execution --------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         for name in plan.evict:
-            self.resident.pop(name, None)
+            self._drop_resident(name)
         for placement in plan.place:
+            self._drop_resident(placement.name)
             entry = self.host[placement.name]
-            self.resident[placement.name] = place_adapter(self.pool, entry.adapter, entry.layout, placement.pages)
+            resident = resident_lora(self.pool, entry.adapter, entry.layout, placement.pages)
+            self.resident[placement.name] = resident
+            self.loads[placement.name] = self.loader.start(entry.adapter, resident, placement.load_groups)
         t0 = time.perf_counter()
         # Rows sorted by adapter make each adapter one contiguous token segment (SGMV-style).
         ordered = sorted(plan.rows, key=lambda r: (r.adapter is not None, r.adapter or ""))
-        batch = self._build_batch(ordered)
+        batch = self._build_batch(ordered, plan)
         logits = self.model.forward(batch, self.pool)
         t1 = time.perf_counter()
         sampled_rows = [r for r in ordered if r.sample]
@@ -77,9 +92,13 @@ class Executor:
             for r, t, lp in zip(sampled_rows, tokens, logprobs)
         ]
         t2 = time.perf_counter()
-        return StepResult(step_id=plan.step_id, rows=rows, forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3)
+        for name in [n for n, load in self.loads.items() if load.done()]:
+            del self.loads[name]
+        return StepResult(step_id=plan.step_id, rows=rows, forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3,
+                          cpu_timeouts=batch.cpu.timeouts if batch.cpu is not None else 0,
+                          load_wait_ms=batch.load_wait_ms)
 
-    def _build_batch(self, rows: list[RowPlan]) -> ForwardBatch:
+    def _build_batch(self, rows: list[RowPlan], plan: StepPlan) -> ForwardBatch:
         token_ids: list[int] = []
         positions: list[int] = []
         page_ids: list[int] = []
@@ -87,6 +106,7 @@ class Executor:
         spans: list[RowSpan] = []
         samples: list[int] = []
         segments: list[LoraGroup] = []
+        cpu_rows: list[tuple[RowPlan, int, int]] = []
         pt = self.geometry.page_tokens
         for row in rows:
             first = len(token_ids)
@@ -107,10 +127,14 @@ class Executor:
             if row.adapter is not None:
                 if row.adapter not in self.resident:
                     raise ValueError(f"row {row.request_id}: adapter {row.adapter!r} is not placed in the pool")
-                if segments and segments[-1].lora.name == row.adapter:
-                    segments[-1].end += n
+                last = segments[-1] if segments else None
+                if last is not None and last.lora.name == row.adapter and last.cpu_layers == row.cpu_layers:
+                    last.end += n
                 else:
-                    segments.append(LoraGroup(self.resident[row.adapter], first, first + n))
+                    segments.append(LoraGroup(self.resident[row.adapter], first, first + n,
+                                              cpu_layers=row.cpu_layers, load=self.loads.get(row.adapter)))
+                if row.cpu_layers:
+                    cpu_rows.append((row, first, n))
 
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -123,4 +147,13 @@ class Executor:
             rows=spans,
             sample_tokens=as_tensor(samples),
             lora_groups=segments,
+            cpu=self._cpu_run(plan, cpu_rows),
         )
+
+    def _cpu_run(self, plan: StepPlan, cpu_rows: list[tuple[RowPlan, int, int]]):
+        if plan.cpu is None or not cpu_rows:
+            return None
+        if self.cpu_assist is None:
+            raise ValueError("the plan assigns rows to CPU workers but no CPU assist is attached to this engine")
+        return self.cpu_assist.step(plan.cpu, [(row.cpu_row, first, n, row.cpu_layers, self.host[row.adapter].adapter)
+                                               for row, first, n in cpu_rows])

@@ -43,11 +43,13 @@ class LLM:
                  max_lora_rank: int = 256, lora_backend: str = "torch", num_pages: int | None = None,
                  pool_bytes: int | None = None, page_tokens: int | None = None, max_num_seqs: int = 64,
                  max_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.9) -> None:
+                 gpu_memory_utilization: float = 0.9, load_groups: int = 1,
+                 load_throttle_bytes_s: float | None = None) -> None:
         runtime = build_runtime(EngineSpec(
             model=None if model is None else str(model), device=device, dtype=dtype, max_lora_rank=max_lora_rank,
             lora_backend=lora_backend, num_pages=num_pages, pool_bytes=pool_bytes, page_tokens=page_tokens,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+            load_throttle_bytes_s=load_throttle_bytes_s,
         ))
         self.model_dir = runtime.model_dir
         self.device = runtime.executor.device
@@ -61,11 +63,12 @@ class LLM:
         self.allocator = PageAllocator(num_pages)
         self.scheduler = FcfsScheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
-                            max_model_len=self.max_model_len),
+                            max_model_len=self.max_model_len, load_groups=load_groups),
             self.geometry, self.allocator, self._adapter_pages, self.config.eos_token_ids,
         )
         self.tokenizer = self._load_tokenizer()
         self._ids = itertools.count()
+        self.load_wait_ms = 0.0  # compute time spent waiting for adapter layer groups, all calls
 
     def _load_tokenizer(self):
         path = self.model_dir / "tokenizer.json"
@@ -130,6 +133,7 @@ class LLM:
             except BaseException:
                 self.scheduler.discard_inflight()
                 raise
+            self.load_wait_ms += result.load_wait_ms
             self.scheduler.apply(plan, result)
 
     def _make_request(self, prompt: Prompt, adapter: str | None, params: SamplingParams) -> SeqRequest:

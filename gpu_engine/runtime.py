@@ -6,6 +6,7 @@ same knobs the same way.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,8 @@ class EngineSpec:
     page_tokens: int | None = None
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
+    # Test-only: cap the host->pool adapter copy rate on CPU so loads span many layers.
+    load_throttle_bytes_s: float | None = None
 
     def resolved(self) -> EngineSpec:
         """Replace the `auto` values by what this machine supports; validate the rest."""
@@ -57,10 +60,7 @@ class EngineSpec:
             from loraplex.gpu_engine.demo import ensure_demo_model
 
             model = str(ensure_demo_model().model_dir)
-        return EngineSpec(model=model, device=device, dtype=dtype, max_lora_rank=self.max_lora_rank,
-                          lora_backend=backend, num_pages=self.num_pages, pool_bytes=self.pool_bytes,
-                          page_tokens=self.page_tokens, max_model_len=self.max_model_len,
-                          gpu_memory_utilization=self.gpu_memory_utilization)
+        return dataclasses.replace(self, model=model, device=device, dtype=dtype, lora_backend=backend)
 
 
 @dataclass(slots=True)
@@ -95,7 +95,7 @@ def build_runtime(spec: EngineSpec) -> EngineRuntime:
                 pool_bytes = DEFAULT_CPU_POOL_BYTES
         num_pages = UnifiedPool.pages_for_bytes(config.num_layers, geometry, dtype, pool_bytes)
     executor = Executor(config, weights, geometry, num_pages, device=device, dtype=dtype,
-                        lora_backend=spec.lora_backend)
+                        lora_backend=spec.lora_backend, load_throttle_bytes_s=spec.load_throttle_bytes_s)
     limit = min(config.max_position_embeddings, num_pages * geometry.page_tokens)
     max_model_len = min(spec.max_model_len, limit) if spec.max_model_len else limit
     return EngineRuntime(spec=spec, config=config, geometry=geometry, executor=executor, num_pages=num_pages,

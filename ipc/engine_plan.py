@@ -36,6 +36,10 @@ class RowPlan:
     sample: bool
     sampling: SamplingSpec
     sample_index: int = 0  # how many tokens this request has sampled before
+    # CPU-assisted prefill (DESIGN §5): layers [0, cpu_layers) of this row's LoRA delta are
+    # computed by CPU workers; its tokens occupy exchange rows [cpu_row, cpu_row + len(token_ids)).
+    cpu_layers: int = 0
+    cpu_row: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,18 @@ class AdapterPlacement:
 
     name: str
     pages: list[int]
+    # Load as this many layer groups, each signalling when it is in the pool (1: all at once).
+    load_groups: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class CpuAssistStep:
+    """The CPU side of one step: workers wait for ready words to reach `seq`;
+    `workers_per_layer[l]` workers add 1 to each done word of layer l."""
+
+    seq: int
+    workers_per_layer: list[int]
+    exchange_rows: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +68,7 @@ class StepPlan:
     rows: list[RowPlan]
     place: list[AdapterPlacement] = field(default_factory=list)
     evict: list[str] = field(default_factory=list)
+    cpu: CpuAssistStep | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -71,3 +88,6 @@ class StepResult:
     rows: list[RowResult]
     forward_ms: float = 0.0
     sample_ms: float = 0.0
+    # CPU-assist sites whose workers missed the deadline (the engine computed those deltas itself).
+    cpu_timeouts: int = 0
+    load_wait_ms: float = 0.0  # compute time spent waiting for adapter layer groups to arrive

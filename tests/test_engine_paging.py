@@ -122,3 +122,13 @@ def test_bfloat16_runs_close_to_float32(demo, reference):
     for a, b in zip(first, out):
         assert a.token_ids[0] == b.token_ids[0]
         assert abs(a.logprobs[0] - b.logprobs[0]) < 0.2
+
+
+def test_layer_group_loading_waits_per_group_and_changes_nothing(demo, reference):
+    prompts, first = reference
+    # ~2 MB/s: the rank-32/64 adapters take a noticeable time, spread over 4 groups of one layer each.
+    llm = _engine(demo, num_pages=512, page_tokens=4, load_groups=4, load_throttle_bytes_s=8e6)
+    out = llm.generate(prompts, adapters=NAMES, sampling=GREEDY)
+    assert [o.token_ids for o in out] == [o.token_ids for o in first]
+    assert llm.load_wait_ms > 0, "throttled loads should have made compute wait on layer groups"
+    assert not llm.executor.loads, "finished loads are forgotten"

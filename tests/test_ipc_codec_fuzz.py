@@ -25,7 +25,7 @@ from loraplex.ipc.protocol import (
 )
 
 # Generous for CI noise; a pathological input would take orders of magnitude more.
-MAX_DECODE_S = 0.5
+MAX_DECODE_S = 5.0  # generous: a loaded 2-core CI machine must not make this flaky; a real blow-up is minutes
 # Example counts keep the whole file near five seconds.
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -49,7 +49,7 @@ class AdapterResidency:
     def reclaimable_pages(self) -> int:
         return sum(len(e.pages) for e in self._resident.values() if e.refs == 0)
 
-    def acquire(self, name: str, num_pages: int) -> bool:
+    def acquire(self, name: str, num_pages: int, load_groups: int = 1) -> bool:
         """Reference `name`, placing it if needed; False when the pages cannot be found."""
         entry = self._resident.get(name)
         if entry is None:
@@ -57,7 +57,7 @@ class AdapterResidency:
                 return False
             entry = ResidentAdapter(pages=self._alloc.allocate(num_pages, ADAPTER))
             self._resident[name] = entry
-            self.changes.place.append(AdapterPlacement(name=name, pages=list(entry.pages)))
+            self.changes.place.append(AdapterPlacement(name=name, pages=list(entry.pages), load_groups=load_groups))
         entry.refs += 1
         self._resident.move_to_end(name)
         return True

@@ -28,9 +28,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_batched_tokens: int = 2048
     max_model_len: int = 4096
+    load_groups: int = 1  # layer groups a cold adapter is loaded in (1: all before use)
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs <= 0 or self.max_batched_tokens <= 0 or self.max_model_len <= 0:
+        if min(self.max_num_seqs, self.max_batched_tokens, self.max_model_len, self.load_groups) <= 0:
             raise ValueError("scheduler limits must be positive")
 
 
@@ -137,7 +138,8 @@ class FcfsScheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
         adapter = seq.req.adapter
-        if adapter is not None and not self.adapters.acquire(adapter, self._adapter_pages(adapter)):
+        if adapter is not None and not self.adapters.acquire(adapter, self._adapter_pages(adapter),
+                                                             self.config.load_groups):
             return False
         n = min(seq.num_uncomputed, budget)
         if not self._grow_kv(seq, n, allow_preempt=False):

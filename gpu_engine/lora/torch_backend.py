@@ -32,8 +32,8 @@ def _row_index(offsets: list[int], width: int, device: torch.device) -> torch.Te
     return base[:, None] + torch.arange(width, dtype=torch.int64, device=device)[None, :]
 
 
-def place_adapter(pool: UnifiedPool, adapter: HostAdapter, layout: AdapterLayout, pages: list[int]) -> ResidentLora:
-    """Copy the adapter's A rows and B^T rows into its pages, in every layer."""
+def resident_lora(pool: UnifiedPool, adapter: HostAdapter, layout: AdapterLayout, pages: list[int]) -> ResidentLora:
+    """Where the adapter's rows live in `pages` (gather indices and row offsets); copies nothing."""
     device = pool.data.device
     offsets = layout.row_offsets(pages, pool.geometry.page_elems)
     index: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -42,13 +42,29 @@ def place_adapter(pool: UnifiedPool, adapter: HostAdapter, layout: AdapterLayout
         rows = layout.modules[module]
         index[module] = (_row_index(a_off, rows.in_features, device), _row_index(b_off, rows.out_features, device))
         row_offsets[module] = (index[module][0][:, 0].clone(), index[module][1][:, 0].clone())
-    for layer in range(pool.data.shape[0]):
-        flat = pool.layer_flat(layer)
-        for module, (a_idx, b_idx) in index.items():
-            flat[a_idx] = adapter.a[layer][module].to(device=device, dtype=pool.data.dtype)
-            flat[b_idx] = adapter.b[layer][module].t().to(device=device, dtype=pool.data.dtype)
     return ResidentLora(name=adapter.name, rank=adapter.spec.rank, scaling=adapter.spec.scaling, index=index,
                         row_offsets=row_offsets)
+
+
+def copy_adapter_layers(pool: UnifiedPool, adapter: HostAdapter, resident: ResidentLora, layers: range) -> int:
+    """Copy A rows and B^T rows of `layers` into the adapter's pages; returns bytes copied."""
+    device, dtype = pool.data.device, pool.data.dtype
+    copied = 0
+    for layer in layers:
+        flat = pool.layer_flat(layer)
+        for module, (a_idx, b_idx) in resident.index.items():
+            a, b = adapter.a[layer][module], adapter.b[layer][module]
+            flat[a_idx] = a.to(device=device, dtype=dtype, non_blocking=True)
+            flat[b_idx] = b.t().to(device=device, dtype=dtype, non_blocking=True)
+            copied += (a.numel() + b.numel()) * a.element_size()
+    return copied
+
+
+def place_adapter(pool: UnifiedPool, adapter: HostAdapter, layout: AdapterLayout, pages: list[int]) -> ResidentLora:
+    """Place the whole adapter at once (every layer)."""
+    resident = resident_lora(pool, adapter, layout, pages)
+    copy_adapter_layers(pool, adapter, resident, range(pool.data.shape[0]))
+    return resident
 
 
 @dataclass(slots=True)
@@ -59,6 +75,11 @@ class LoraGroup:
     lora: ResidentLora
     start: int
     end: int
+    cpu_layers: int = 0  # layers [0, cpu_layers) of this segment run on the CPU workers instead
+    load: object | None = None  # GroupLoad while the adapter's layer groups are still arriving
+
+    def on_gpu(self, layer: int) -> bool:
+        return layer >= self.cpu_layers
 
 
 class TorchLoraBackend:

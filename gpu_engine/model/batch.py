@@ -31,3 +31,5 @@ class ForwardBatch:
     rows: list[RowSpan]
     sample_tokens: torch.Tensor  # [S] indices of tokens whose logits are needed
     lora_groups: list[LoraGroup]
+    cpu: object | None = None  # CpuAssistStepRun when some rows' LoRA runs on the CPU workers
+    load_wait_ms: float = 0.0

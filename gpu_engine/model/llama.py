@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.gpu_engine.lora.backend import LoraBackend
+from loraplex.gpu_engine.lora.torch_backend import LoraGroup
 from loraplex.gpu_engine.model.attention_torch import TorchPagedAttention
 from loraplex.gpu_engine.model.batch import ForwardBatch
 from loraplex.gpu_engine.model.config import ModelConfig
@@ -42,32 +43,64 @@ class LlamaModel:
         """Returns float32 logits [S, vocab] for the sampled tokens."""
         h = F.embedding(batch.token_ids, self.w.embed)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
+        cpu = batch.cpu
         for layer_idx, layer in enumerate(self.w.layers):
             flat = pool.layer_flat(layer_idx)
+            groups = self._gpu_groups(batch, layer_idx)
             x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
-            attn = self._attention(layer_idx, layer, x, cos, sin, batch, pool, flat)
-            h = h + self._proj(layer, "o_proj", attn, flat, batch)
+            attn = self._attention(layer_idx, layer, x, cos, sin, batch, pool, flat, groups)
+            if cpu is not None:
+                cpu.post(layer_idx, 1, attn)
+            o = self._proj(layer, "o_proj", attn, flat, groups)
+            if cpu is not None:
+                cpu.collect(layer_idx, 1, attn, {"o_proj": o})
+            h = h + o
             x = rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps)
-            gate = self._proj(layer, "gate_proj", x, flat, batch)
-            up = self._proj(layer, "up_proj", x, flat, batch)
-            h = h + self._proj(layer, "down_proj", F.silu(gate) * up, flat, batch)
+            if cpu is not None:
+                cpu.post(layer_idx, 2, x)
+            gate = self._proj(layer, "gate_proj", x, flat, groups)
+            up = self._proj(layer, "up_proj", x, flat, groups)
+            if cpu is not None:
+                cpu.collect(layer_idx, 2, x, {"gate_proj": gate, "up_proj": up})
+            act = F.silu(gate) * up
+            if cpu is not None:
+                cpu.post(layer_idx, 3, act)
+            down = self._proj(layer, "down_proj", act, flat, groups)
+            if cpu is not None:
+                cpu.collect(layer_idx, 3, act, {"down_proj": down})
+            h = h + down
         last = rms_norm(h.index_select(0, batch.sample_tokens), self.w.norm, self.cfg.rms_norm_eps)
         return F.linear(last, self.w.lm_head).float()
 
+    def _gpu_groups(self, batch: ForwardBatch, layer: int) -> list[LoraGroup]:
+        """Adapter segments whose LoRA runs from the pool at this layer; waits for layer groups in flight."""
+        groups = [g for g in batch.lora_groups if g.on_gpu(layer)]
+        for g in groups:
+            if g.load is not None:
+                batch.load_wait_ms += g.load.wait_layer(layer)
+        return groups
+
     def _proj(self, layer: LayerWeights, name: str, x: torch.Tensor, flat: torch.Tensor,
-              batch: ForwardBatch) -> torch.Tensor:
+              groups: list[LoraGroup]) -> torch.Tensor:
         out = F.linear(x, layer.proj[name], layer.bias.get(name))
-        if batch.lora_groups:
-            self.lora.apply(out, x, flat, name, batch.lora_groups)
+        if groups:
+            self.lora.apply(out, x, flat, name, groups)
         return out
 
     def _attention(self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, batch: ForwardBatch, pool: UnifiedPool, flat: torch.Tensor) -> torch.Tensor:
+                   sin: torch.Tensor, batch: ForwardBatch, pool: UnifiedPool, flat: torch.Tensor,
+                   groups: list[LoraGroup]) -> torch.Tensor:
         cfg = self.cfg
         tokens = x.shape[0]
-        q = self._proj(layer, "q_proj", x, flat, batch).view(tokens, cfg.num_heads, cfg.head_dim)
-        k = self._proj(layer, "k_proj", x, flat, batch).view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = self._proj(layer, "v_proj", x, flat, batch)
+        if batch.cpu is not None:
+            batch.cpu.post(layer_idx, 0, x)
+        q = self._proj(layer, "q_proj", x, flat, groups)
+        k = self._proj(layer, "k_proj", x, flat, groups)
+        v = self._proj(layer, "v_proj", x, flat, groups)
+        if batch.cpu is not None:
+            batch.cpu.collect(layer_idx, 0, x, {"q_proj": q, "k_proj": k, "v_proj": v})
+        q = q.view(tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
         q = Rotary.apply(q, cos, sin)
         k = Rotary.apply(k, cos, sin)
         pool.write_kv(layer_idx, batch.kv_page_ids, batch.kv_slots, k.reshape(tokens, cfg.kv_dim), v)
