@@ -6,7 +6,8 @@ setup(
     ext_modules=[
         Pybind11Extension(
             "loraplex._C",
-            sorted(["csrc/module.cpp"]),
+            sorted(["csrc/module.cpp", "csrc/words.cpp", "csrc/futex.cpp", "csrc/waits.cpp"]),
+            depends=sorted(["csrc/words.h", "csrc/futex.h", "csrc/waits.h"]),
             cxx_std=17,
             extra_compile_args=["-O3"],
         )
