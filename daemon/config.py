@@ -34,6 +34,7 @@ SCHEDULER_POLICIES: tuple[str, ...] = ("fcfs",)
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 LORA_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+ADAPTER_LOAD_MODES: tuple[str, ...] = ("auto", "cached", "on_demand", "cpu_assist")
 # Same value as loraplex.ipc.codec.DEFAULT_MAX_MESSAGE_BYTES (not imported: that pulls in zmq).
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 _TCP_ENDPOINT = re.compile(r"tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})")
@@ -116,6 +117,16 @@ class ModelSettings(_Section):
         "Pool size in bytes; with num_pages also unset, sized from gpu_memory_utilization.", "8589934592"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
         "Fraction of device memory for weights + pool, in (0, 1]."))
+    adapter_load_mode: str = field(default="auto", metadata=_help(
+        "How cold adapters reach the GPU: cached (all preloaded), on_demand (prefill waits for the load), "
+        "cpu_assist (CPU workers compute while layer groups load), auto (cpu_assist on CUDA, else on_demand)."))
+    load_groups: int = field(default=4, metadata=_help("Layer groups a cold adapter is loaded in (cpu_assist)."))
+    host_store_bytes: int = field(default=256 << 20, metadata=_help(
+        "Size of the shared-memory host adapter store (cpu_assist)."))
+    exchange_max_tokens: int = field(default=2048, metadata=_help(
+        "Most prefill tokens per step that CPU workers can take (cpu_assist)."))
+    load_throttle_bytes_s: float | None = field(default=None, metadata=_help(
+        "Test-only: cap the adapter copy rate on CPU hosts so loads span many layers.", "4e6"))
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -133,6 +144,16 @@ class ModelSettings(_Section):
                 "model.num_pages and model.pool_bytes both size the pool; set at most one", "model.pool_bytes"
             )
         self._finite("gpu_memory_utilization", low=0.0, high=1.0, low_open=True)
+        self._choice("adapter_load_mode", ADAPTER_LOAD_MODES)
+        for name in ("load_groups", "host_store_bytes", "exchange_max_tokens"):
+            self._positive(name)
+        if self.load_throttle_bytes_s is not None:
+            self._finite("load_throttle_bytes_s", low=0.0, low_open=True)
+
+    def resolved_load_mode(self, cuda: bool) -> str:
+        if self.adapter_load_mode != "auto":
+            return self.adapter_load_mode
+        return "cpu_assist" if cuda else "on_demand"
 
     @property
     def uses_demo_model(self) -> bool:
@@ -185,9 +206,11 @@ class ServerSettings(_Section):
         "Seconds without a step reply before the engine counts as hung."))
     max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata=_help("Largest message accepted."))
     max_clients_inflight: int = field(default=4096, metadata=_help("Most requests in flight over all clients."))
-    stats_interval_s: float = field(default=0.5, metadata=_help("Seconds between stats snapshots on the PUB socket."))
+    stats_interval_s: float = field(default=0.25, metadata=_help("Seconds between stats snapshots on the PUB socket."))
     adapter_dirs: tuple[str, ...] = field(default=(), metadata=_help(
         "Adapter paths must lie under one of these directories; empty = anywhere."))
+    cpu_workers: int | None = field(default=None, metadata=_help(
+        "CPU LoRA worker processes (cpu_assist); unset = the spare cores, at least 2.", "4"))
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -209,6 +232,7 @@ class ServerSettings(_Section):
                 f"server.max_message_bytes must be >= 4096, got {self.max_message_bytes}", "server.max_message_bytes"
             )
         self._positive("max_clients_inflight")
+        self._positive("cpu_workers", optional=True)
         if any(not d for d in self.adapter_dirs):
             raise ConfigError("server.adapter_dirs must not contain empty paths", "server.adapter_dirs")
 

@@ -128,7 +128,8 @@ class Dispatcher:
                 entry = self.core.adapters.get(msg.name)
                 if entry is None:
                     raise Rejected(ErrorCode.NOT_FOUND, f"unknown adapter {msg.name!r}")
-                self.registry.set_pinned(msg.name, msg.pinned)
+                if self.registry.get(msg.name) is not None:  # built-in demo adapters live only in memory
+                    self.registry.set_pinned(msg.name, msg.pinned)
                 entry.pinned = msg.pinned
                 return AdminOkReply(detail={"adapter": msg.name, "pinned": msg.pinned}, request_id=rid)
             if isinstance(msg, DrainRequest):

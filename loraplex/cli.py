@@ -273,12 +273,32 @@ def _run_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_top(parser: argparse.ArgumentParser) -> None:
+    _runtime_dir_arg(parser)
+
+
+def _run_top(args: argparse.Namespace) -> int:
+    """The live admin console (Textual); needs no running daemon to start."""
+    try:
+        from loraplex.tui.app import run_top
+    except ImportError as exc:
+        print(f"loraplex top: error: the console needs Textual ({exc}); pip install 'textual>=0.80'", file=sys.stderr)
+        return 1
+    try:
+        return run_top(args.runtime_dir)
+    except ValueError as exc:  # e.g. a runtime directory too long for a Unix socket path
+        print(f"loraplex top: error: {exc}", file=sys.stderr)
+        return 2
+
+
 COMMANDS: dict[str, Command] = {
     "generate": Command(help="generate a completion through the running daemon", configure=_configure_generate,
                         run=_run_generate),
     "adapters": Command(help="list, add, remove or pin adapters", configure=_configure_adapters,
                         run=_run_adapters),
     "stats": Command(help="print the daemon's metrics as JSON", configure=_configure_stats, run=_run_stats),
+    "top": Command(help="live admin console: queues, requests, cache, PCIe, workers, engines; admin actions",
+                   configure=_configure_top, run=_run_top),
     "serve": Command(
         help="run the daemon in the foreground (Ctrl-C drains and stops)",
         configure=_configure_serve,
