@@ -15,21 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.daemon.cpu_planner import layer_groups
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
 from loraplex.gpu_engine.lora.torch_backend import ResidentLora, copy_adapter_layers
 from loraplex.gpu_engine.pool import UnifiedPool
-
-
-def layer_groups(num_layers: int, groups: int) -> list[range]:
-    """Split layers into `groups` contiguous, nearly equal groups (earlier groups take the remainder)."""
-    groups = max(1, min(groups, num_layers))
-    size, extra = divmod(num_layers, groups)
-    out, start = [], 0
-    for g in range(groups):
-        end = start + size + (1 if g < extra else 0)
-        out.append(range(start, end))
-        start = end
-    return out
 
 
 @dataclass(slots=True)

@@ -14,8 +14,10 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 
+import torch
 import zmq
 
 from loraplex.errors import LoraplexRequestError
@@ -51,7 +53,52 @@ def _linux_process_setup() -> None:
         pass  # not Linux: the daemon's supervisor still kills us on exit
 
 
-def hello_for(runtime: EngineRuntime, demo: bool) -> EngineHello:
+class CpuAssistResources:
+    """The shared-memory side of cpu_assist: host store and exchange, owned (and unlinked) here."""
+
+    def __init__(self, runtime: EngineRuntime) -> None:
+        from loraplex.gpu_engine.cpu_assist import CpuAssistEngine
+        from loraplex.gpu_engine.host_store import HostStore
+        from loraplex.ipc.shm import segment_name
+
+        spec, cfg = runtime.spec, runtime.config
+        instance = spec.shm_instance or f"e{os.getpid()}"
+        self.store = HostStore(segment_name(instance, "store"), spec.host_store_bytes,
+                               runtime.executor.pool.data.dtype, pin=runtime.executor.device.type == "cuda")
+        try:
+            self.assist = CpuAssistEngine(segment_name(instance, "xchg0"), num_layers=cfg.num_layers,
+                                          hidden=cfg.hidden_size, q_dim=cfg.q_dim, kv_dim=cfg.kv_dim,
+                                          intermediate=cfg.intermediate_size, max_tokens=spec.exchange_max_tokens)
+        except BaseException:
+            self.store.close()
+            raise
+        runtime.executor.cpu_assist = self.assist
+
+    def close(self) -> None:
+        self.assist.close()
+        self.store.close()
+
+
+def measure_link_bytes_per_s(runtime: EngineRuntime) -> float:
+    """Host -> pool copy bandwidth: pinned H2D on CUDA; the throttle or a memcpy on CPU."""
+    if runtime.spec.load_throttle_bytes_s:
+        return float(runtime.spec.load_throttle_bytes_s)
+    device = runtime.executor.device
+    nbytes = 64 << 20
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 3 * nbytes / (time.perf_counter() - started)
+
+
+def hello_for(runtime: EngineRuntime, demo: bool, resources: CpuAssistResources | None = None) -> EngineHello:
     cfg = runtime.config
     demo_adapters: dict[str, str] = {}
     if demo:
@@ -64,17 +111,22 @@ def hello_for(runtime: EngineRuntime, demo: bool) -> EngineHello:
         max_model_len=runtime.max_model_len, num_pages=runtime.num_pages, page_tokens=runtime.geometry.page_tokens,
         page_elems=runtime.geometry.page_elems, eos_token_ids=list(cfg.eos_token_ids),
         bos_token_id=cfg.bos_token_id, lora_backend=runtime.spec.lora_backend, demo_adapters=demo_adapters,
+        load_mode=runtime.spec.adapter_load_mode, link_bytes_per_s=measure_link_bytes_per_s(runtime),
+        store_segment=resources.store.name if resources else "",
+        exchange=resources.assist.layout if resources else None,
     )
 
 
 class EngineServer:
-    def __init__(self, runtime: EngineRuntime, sock: TypedSocket, *, demo: bool = False) -> None:
+    def __init__(self, runtime: EngineRuntime, sock: TypedSocket, *, demo: bool = False,
+                 resources: CpuAssistResources | None = None) -> None:
         self.runtime = runtime
         self.sock = sock
         self.demo = demo
+        self.resources = resources
 
     def serve(self) -> None:
-        self.sock.send(hello_for(self.runtime, self.demo))
+        self.sock.send(hello_for(self.runtime, self.demo, self.resources))
         while True:
             msg = self.sock.recv().message
             if isinstance(msg, EngineShutdown):
@@ -94,6 +146,8 @@ class EngineServer:
             return self._load(msg)
         if isinstance(msg, EngineUnloadAdapter):
             executor.remove_host_adapter(msg.name)
+            if self.resources is not None:
+                self.resources.store.remove(msg.name)
             return EngineAdapterLoaded(name=msg.name, rank=0, target_modules=[], num_pages=0, nbytes=0)
         return EngineFailure(code=ErrorCode.UNKNOWN_TYPE.value, message=f"engine cannot handle {msg.TYPE}")
 
@@ -108,9 +162,16 @@ class EngineServer:
         except OSError as exc:
             return EngineFailure(code=ErrorCode.INVALID_ADAPTER.value, message=str(exc), subject=msg.name)
         executor.remove_host_adapter(msg.name)  # a reload replaces the old weights
+        entry = None
+        if self.resources is not None:
+            cfg = self.runtime.config
+            try:
+                entry = self.resources.store.put(adapter, cfg.module_shapes(), cfg.num_layers)
+            except RuntimeError as exc:
+                return EngineFailure(code=ErrorCode.OVERLOADED.value, message=str(exc), subject=msg.name)
         layout = executor.add_host_adapter(adapter)
         return EngineAdapterLoaded(name=msg.name, rank=adapter.spec.rank, target_modules=list(adapter.spec.targets),
-                                   num_pages=layout.num_pages, nbytes=adapter.nbytes)
+                                   num_pages=layout.num_pages, nbytes=adapter.nbytes, store_entry=entry)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,12 +189,17 @@ def main(argv: list[str] | None = None) -> int:
         try:
             spec = EngineSpec(**json.loads(args.spec))
             runtime = build_runtime(spec)
+            resources = CpuAssistResources(runtime) if runtime.spec.adapter_load_mode == "cpu_assist" else None
         except Exception as exc:  # report why we cannot start, then exit: restarting will not help
             log.error("engine failed to start: %s", traceback.format_exc())
             sock.send(EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"engine failed to start: {exc}",
                                     fatal=True))
             return 2
-        EngineServer(runtime, sock, demo=spec.model is None).serve()
+        try:
+            EngineServer(runtime, sock, demo=spec.model is None, resources=resources).serve()
+        finally:
+            if resources is not None:
+                resources.close()
         return 0
     finally:
         sock.close()

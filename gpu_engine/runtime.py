@@ -37,6 +37,11 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.9
     # Test-only: cap the host->pool adapter copy rate on CPU so loads span many layers.
     load_throttle_bytes_s: float | None = None
+    adapter_load_mode: str = "on_demand"  # or cached, cpu_assist, auto (cpu_assist on CUDA)
+    load_groups: int = 1
+    host_store_bytes: int = 256 << 20
+    exchange_max_tokens: int = 2048
+    shm_instance: str | None = None  # names the shared-memory segments (set by the daemon)
 
     def resolved(self) -> EngineSpec:
         """Replace the `auto` values by what this machine supports; validate the rest."""
@@ -60,7 +65,13 @@ class EngineSpec:
             from loraplex.gpu_engine.demo import ensure_demo_model
 
             model = str(ensure_demo_model().model_dir)
-        return dataclasses.replace(self, model=model, device=device, dtype=dtype, lora_backend=backend)
+        mode = self.adapter_load_mode
+        if mode == "auto":
+            mode = "cpu_assist" if device.startswith("cuda") else "on_demand"
+        if mode not in ("cached", "on_demand", "cpu_assist"):
+            raise ValueError(f"adapter_load_mode must be auto, cached, on_demand or cpu_assist, got {mode!r}")
+        return dataclasses.replace(self, model=model, device=device, dtype=dtype, lora_backend=backend,
+                                   adapter_load_mode=mode)
 
 
 @dataclass(slots=True)

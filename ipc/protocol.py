@@ -46,6 +46,17 @@ from loraplex.ipc.messages.client import (
     PingRequest,
     StatsRequest,
 )
+from loraplex.ipc.messages.cpu import (
+    FAILURE_CODES as CPU_FAILURE_CODES,
+    CpuCalibrate,
+    CpuCalibration,
+    CpuJobDone,
+    CpuJobSlice,
+    CpuLoraJob,
+    CpuWorkerFailure,
+    CpuWorkerHello,
+    CpuWorkerShutdown,
+)
 from loraplex.ipc.messages.engine import (
     EngineAdapterLoaded,
     EngineFailure,
@@ -90,6 +101,15 @@ ADMIN_REQUESTS: tuple[type[Message], ...] = (
 )
 
 __all__ = [
+    "CPU_FAILURE_CODES",
+    "CpuCalibrate",
+    "CpuCalibration",
+    "CpuJobDone",
+    "CpuJobSlice",
+    "CpuLoraJob",
+    "CpuWorkerFailure",
+    "CpuWorkerHello",
+    "CpuWorkerShutdown",
     "EngineAdapterLoaded",
     "EngineFailure",
     "EngineHello",

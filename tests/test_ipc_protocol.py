@@ -40,7 +40,22 @@ from loraplex.ipc.protocol import (
     TokenChunk,
     message_types,
 )
+from loraplex.ipc.adapter_store import store_entry_layout
 from loraplex.ipc.engine_plan import AdapterPlacement, RowPlan, RowResult, SamplingSpec, StepPlan, StepResult
+from loraplex.ipc.exchange import exchange_layout
+from loraplex.ipc.protocol import (
+    CpuCalibrate,
+    CpuCalibration,
+    CpuJobDone,
+    CpuJobSlice,
+    CpuLoraJob,
+    CpuWorkerFailure,
+    CpuWorkerHello,
+    CpuWorkerShutdown,
+)
+
+_EXCHANGE = exchange_layout("/lpx-0123456789ab-exchange", 2, 64, 64, 32, 96, 16)
+_ENTRY = store_entry_layout("sql", 8, {"q_proj": (64, 64), "down_proj": (96, 64)}, 2, "bfloat16").at(4096)
 
 TIMINGS = {"queue_ms": 1.5, "ttft_ms": 20.25, "tpt_ms": 7.0, "e2e_ms": 90.0, "adapter_path": "cpu_assisted"}
 
@@ -57,15 +72,28 @@ _PLAN = StepPlan(
 SAMPLES: list[Message] = [
     EngineHello(pid=42, model_dir="/m", device="cuda:0", dtype="bfloat16", vocab_size=512, num_layers=4,
                 hidden_size=256, kv_dim=128, max_model_len=4096, num_pages=100, page_tokens=16, page_elems=4096,
-                eos_token_ids=[2], bos_token_id=1, lora_backend="triton", demo_adapters={"a": "/d/a"}),
+                eos_token_ids=[2], bos_token_id=1, lora_backend="triton", demo_adapters={"a": "/d/a"},
+                load_mode="cpu_assist", link_bytes_per_s=2.5e10, store_segment="/lpx-0123456789ab-store",
+                exchange=_EXCHANGE),
     EngineLoadAdapter(name="sql", path="/adapters/sql"),
-    EngineAdapterLoaded(name="sql", rank=16, target_modules=["q_proj"], num_pages=3, nbytes=1024),
+    EngineAdapterLoaded(name="sql", rank=16, target_modules=["q_proj"], num_pages=3, nbytes=1024, store_entry=_ENTRY),
     EngineUnloadAdapter(name="sql"),
     EngineStep(plan=_PLAN),
     EngineStepDone(result=StepResult(step_id=7, rows=[RowResult(request_id="ab/r1", token_id=3, logprob=-0.5)],
                                      forward_ms=1.5, sample_ms=0.25)),
     EngineShutdown(),
     EngineFailure(code="engine_failed", message="boom", subject="7", fatal=True),
+    CpuWorkerHello(index=3, pid=4242, core=5, torch_threads=2),
+    CpuLoraJob(job_id=9, seq=3, exchange=_EXCHANGE, store="/lpx-0123456789ab-store", layers=[0, 1],
+               slices=[CpuJobSlice(token_start=0, token_count=5, entry=_ENTRY, scaling=2.0),
+                       CpuJobSlice(token_start=8, token_count=8, entry=_ENTRY, scaling=0.5, cpu_layers=1)],
+               deadline_ms=500, start_deadline_ms=3000, generation=7, arena_base=0),
+    CpuJobDone(job_id=9, index=3, busy_ms=1.25, tokens=13, wait_ms=0.5, sites=8),
+    CpuWorkerFailure(index=3, code="timeout", message="site 4: timeout", job_id=9, fatal=True, calibration_id=2),
+    CpuCalibrate(request_id=2, hidden=4096, ranks=[8, 16], tokens=128, repeats=3, dtype="bfloat16"),
+    CpuCalibration(request_id=2, index=3, hidden=4096, tokens=128, ranks=[8, 16], tokens_per_s=[2.5e5, 2.0e5],
+                   dtype="bfloat16", cpu_model="AMD EPYC", torch_version="2.13.0"),
+    CpuWorkerShutdown(),
     GenerateRequest(
         request_id="req-7f3a",
         prompt_token_ids=[1, 15043, 2],

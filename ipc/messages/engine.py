@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loraplex.ipc.adapter_store import StoreEntry
 from loraplex.ipc.engine_plan import StepPlan, StepResult
+from loraplex.ipc.exchange import ExchangeLayout
 from loraplex.ipc.messages.base import Message, register
 from loraplex.ipc.messages.checks import check_name
 
@@ -36,6 +38,10 @@ class EngineHello(Message):
     bos_token_id: int | None = None
     lora_backend: str = "torch"
     demo_adapters: dict[str, str] = field(default_factory=dict)  # name -> dir, when serving the demo model
+    load_mode: str = "on_demand"
+    link_bytes_per_s: float = 0.0  # measured host->pool copy bandwidth
+    store_segment: str = ""  # the host adapter store (cpu_assist)
+    exchange: ExchangeLayout | None = None  # the activation exchange (cpu_assist)
 
 
 @register
@@ -60,6 +66,7 @@ class EngineAdapterLoaded(Message):
     target_modules: list[str]
     num_pages: int
     nbytes: int
+    store_entry: StoreEntry | None = None  # where it sits in the host store (cpu_assist)
 
 
 @register
