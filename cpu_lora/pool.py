@@ -355,6 +355,15 @@ class CpuWorkerPool:
             loop = asyncio.get_running_loop()
             head.timer = loop.call_later(head.budget_s, self._on_stall, w, key)
 
+    def declare_stalled(self, index: int, job_id: int) -> bool:
+        """The engine gave up waiting for this job: kill and restart its worker now rather than
+        at the job's own overrun deadline. False when the job already finished."""
+        w = self._workers[index]
+        if ("job", job_id) not in w.queue:
+            return False
+        self._on_stall(w, ("job", job_id))
+        return True
+
     def _on_stall(self, w: _Worker, key: tuple[str, int]) -> None:
         pending = w.queue.pop(key, None)
         if pending is None:

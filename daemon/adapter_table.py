@@ -23,6 +23,8 @@ class AdapterEntry:
     pinned: bool = False
     error: str | None = None
     requests: int = 0
+    scaling: float = 1.0
+    store_entry: object | None = None  # ipc.adapter_store.StoreEntry when the engine keeps a host store
 
     def loaded(self, info: EngineAdapterLoaded) -> None:
         self.state = "ready"
@@ -30,6 +32,8 @@ class AdapterEntry:
         self.target_modules = tuple(info.target_modules)
         self.num_pages = info.num_pages
         self.nbytes = info.nbytes
+        self.scaling = info.scaling
+        self.store_entry = info.store_entry
         self.error = None
 
     def failed(self, message: str) -> None:

@@ -103,7 +103,7 @@ def plan_cpu_assist(plan: StepPlan, *, seq: int, costs: CpuCosts, workers: list[
     adapter_info: name -> (bytes, rank). Rows that do not fit in the exchange
     buffer, or when no worker is up, simply wait for their layer groups.
     """
-    placed = {p.name for p in plan.place}
+    placed = {p.name for p in plan.place} & set(adapter_info)
     if not workers or not placed:
         return CpuStepPlan(plan, {})
     rows: list[RowPlan] = []

@@ -20,6 +20,7 @@ import zmq.asyncio
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import EngineFailure, EngineHello, EngineShutdown, Message
 from loraplex.ipc.runtime_dir import ipc_endpoint
+from loraplex.ipc.shm import sweep_stale
 from loraplex.ipc.sockets import AsyncTypedSocket, make_router
 
 log = logging.getLogger("loraplex.daemon.engine")
@@ -64,6 +65,7 @@ class EngineLink:
     async def start(self) -> EngineHello:
         """Spawn a fresh engine process and wait for its hello."""
         await self.stop()
+        sweep_stale()  # a dead engine's segments must go before the new one creates its own
         self._sock = make_router(self._ctx, self.endpoint)
         env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
         self.proc = await asyncio.create_subprocess_exec(

@@ -21,7 +21,8 @@ from loraplex.daemon.registry import AdapterRegistry, RegistryError, check_adapt
 from loraplex.daemon.server import Dispatcher, Listener, publish_stats
 from loraplex.daemon.serving import ServingCore
 from loraplex.ipc.codec import DecodeLimits
-from loraplex.ipc.runtime_dir import endpoints, ensure_runtime_dir
+from loraplex.ipc.runtime_dir import endpoints, ensure_runtime_dir, instance_id
+from loraplex.ipc.shm import sweep_stale
 from loraplex.ipc.socket_options import SocketLimits
 from loraplex.ipc.sockets import make_pub, make_router
 
@@ -62,20 +63,25 @@ async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = No
             sockets.append(listeners[-1].sock)
         pub = make_pub(ctx, eps.stats, limits=limits)
         sockets.append(pub)
-        engine = engine_factory(ctx, runtime_dir, dataclasses.asdict(config.model),
+        spec = {**dataclasses.asdict(config.model), "shm_instance": instance_id(runtime_dir)}
+        engine = engine_factory(ctx, runtime_dir, spec,
                             start_timeout_s=config.server.engine_start_timeout_s,
                             step_timeout_s=config.server.engine_step_timeout_s)
-        return await _serve(config, registry, listeners, pub, engine, eps, ready)
+        swept = sweep_stale()
+        if swept:
+            log.info("removed %d stale shared-memory segments of dead daemons", len(swept))
+        return await _serve(config, registry, listeners, pub, engine, eps, ready, ctx, runtime_dir)
     finally:
         for sock in sockets:
             sock.close()
         ctx.term()
         registry.close()
+        sweep_stale()  # segments of an engine that was killed rather than stopped
         log.info("stopped")
 
 
 async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: list[Listener], pub,
-                 engine: EngineLink, eps, ready: asyncio.Event | None) -> int:
+                 engine: EngineLink, eps, ready: asyncio.Event | None, engine_ctx, runtime_dir) -> int:
     stop = asyncio.Event()
     drain_budget = [config.server.drain_timeout_s]
 
@@ -85,7 +91,14 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
         stop.set()
 
     dispatcher: Dispatcher | None = None
-    core = ServingCore(config, engine, send=lambda ident, msg: dispatcher.send(ident, msg))
+
+    def make_cpu_pool():
+        from loraplex.cpu_lora.pool import CpuWorkerPool
+
+        return CpuWorkerPool(engine_ctx, runtime_dir, num_workers=config.server.cpu_workers)
+
+    core = ServingCore(config, engine, send=lambda ident, msg: dispatcher.send(ident, msg),
+                       make_cpu_pool=make_cpu_pool)
     dispatcher = Dispatcher(core, registry, config.server.adapter_dirs, listeners, on_drain=request_stop)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -98,9 +111,6 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
         except (EngineDied, EngineRefused) as exc:
             log.error("the engine could not start: %s", exc)
             return 1
-        for name, path in (core.hello.demo_adapters if core.hello else {}).items():
-            if name not in core.adapters:
-                await core.add_adapter(name, path)
         tasks = [asyncio.create_task(dispatcher.serve(lst), name=f"listener-{lst.tag}") for lst in listeners]
         tasks.append(asyncio.create_task(publish_stats(core, pub, config.server.stats_interval_s), name="stats"))
         log.info("serving on %s (admin %s, stats %s)%s", eps.client, eps.admin, eps.stats,

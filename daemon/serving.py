@@ -28,6 +28,7 @@ from loraplex.ipc.engine_plan import SamplingSpec, StepPlan
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
     EngineAdapterLoaded,
+    EngineFailure,
     EngineHello,
     EngineLoadAdapter,
     EngineStep,
@@ -54,10 +55,14 @@ class Rejected(Exception):
 
 
 class ServingCore:
-    def __init__(self, config: LoraplexConfig, engine: EngineLink, send: Send) -> None:
+    def __init__(self, config: LoraplexConfig, engine: EngineLink, send: Send,
+                 make_cpu_pool: Callable[[], object] | None = None) -> None:
         self.config = config
         self.engine = engine
         self.send = send
+        self._make_cpu_pool = make_cpu_pool
+        self.cpu = None  # CpuAssistDriver in cpu_assist mode
+        self.load_mode = "on_demand"
         self.adapters = AdapterTable()
         self.requests: dict[str, ClientRequest] = {}
         self.stats = ServingStats()
@@ -87,17 +92,51 @@ class ServingCore:
             self.tokenizer = load_tokenizer(hello.model_dir)
         geometry = PageGeometry(kv_dim=hello.kv_dim, page_tokens=hello.page_tokens, max_row_width=hello.page_elems)
         self.allocator = PageAllocator(hello.num_pages)
+        self.load_mode = hello.load_mode
         sched = self.config.scheduler
+        groups = self.config.model.load_groups if self.load_mode == "cpu_assist" else 1
         self.scheduler = FcfsScheduler(
             SchedulerConfig(max_num_seqs=sched.max_num_seqs, max_batched_tokens=sched.max_batched_tokens,
-                            max_model_len=hello.max_model_len),
+                            max_model_len=hello.max_model_len, load_groups=groups),
             geometry, self.allocator, self.adapters.pages, tuple(hello.eos_token_ids),
         )
+        for name, path in hello.demo_adapters.items():  # the built-in demo's adapters, serving without --model
+            if name not in self.adapters:
+                self.adapters.put(AdapterEntry(name=name, path=path))
         for entry in self.adapters.entries():
             await self._load_into_engine(entry)
+        if self.load_mode == "cpu_assist":
+            await self._start_cpu_assist(hello)
+        if self.load_mode == "cached":
+            await self._preload_all()
         pending, self._pending = self._pending, []
         for req in pending:
             self._enqueue(req)
+
+    async def _start_cpu_assist(self, hello: EngineHello) -> None:
+        if self.cpu is not None:
+            self.cpu.set_engine(hello)
+            return
+        if self._make_cpu_pool is None:
+            raise EngineRefused(EngineFailure(code=ErrorCode.INTERNAL.value, message="cpu_assist needs a worker pool"))
+        from loraplex.cpu_lora.calibration import load_or_calibrate
+        from loraplex.daemon.cpu_assist_driver import CpuAssistDriver
+
+        pool = self._make_cpu_pool()
+        await pool.start()
+        profile = await load_or_calibrate(pool, hello.hidden_size)
+        self.cpu = CpuAssistDriver(pool, hello, profile, self.config.model.load_groups)
+        log.info("cpu_assist: %d CPU LoRA workers, %.0f MB/s link", pool.size, hello.link_bytes_per_s / 1e6)
+
+    async def _preload_all(self) -> None:
+        """cached mode: every ready adapter is placed once and never evicted (its reference is kept)."""
+        for entry in self.adapters.entries():
+            if entry.state == "ready" and not self.scheduler.adapters.is_resident(entry.name):
+                if not self.scheduler.adapters.acquire(entry.name, entry.num_pages):
+                    log.warning("cached mode: no pool room for adapter %s; it will load on demand", entry.name)
+        plan = self.scheduler.placement_plan()
+        if plan is not None:
+            await self.engine.call(EngineStep(plan=plan))
 
     async def _load_into_engine(self, entry: AdapterEntry) -> None:
         try:
@@ -119,6 +158,8 @@ class ServingCore:
         for key in list(self.requests):
             await self._fail(key, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         await self.engine.stop()
+        if self.cpu is not None:
+            await self.cpu.pool.stop()
 
     async def drain(self, timeout_s: float) -> bool:
         """Stop admitting; wait up to `timeout_s` for in-flight requests. True if all finished."""
@@ -227,6 +268,8 @@ class ServingCore:
             if plan is None:
                 self._work.clear()
                 continue
+            if self.cpu is not None:
+                plan = await self.cpu.prepare(plan, self.adapters)
             self._mark_scheduled(plan)
             started = time.perf_counter()
             schedule_ms = (started - policy_started) * 1e3
@@ -249,6 +292,8 @@ class ServingCore:
                 await self._apply(plan, reply)
                 self.stats.step(plan, reply.result, (returned - started) * 1e3,
                                 schedule_ms + (time.perf_counter() - returned) * 1e3)
+                if self.cpu is not None:
+                    self.cpu.observe(plan, reply.result)
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         placed = {p.name for p in plan.place}
@@ -257,7 +302,9 @@ class ServingCore:
             state = self.requests.get(row.request_id)
             if state is not None and state.first_scheduled is None:
                 state.first_scheduled = now
-                if row.adapter in placed:
+                if row.cpu_layers:
+                    state.adapter_path = "cpu_assisted"
+                elif row.adapter in placed:
                     state.adapter_path = "loaded"
         self.stats.placed(len(plan.place), len(plan.evict))
 
@@ -353,6 +400,8 @@ class ServingCore:
             if entry.state != "ready":
                 raise Rejected(ErrorCode.INVALID_ADAPTER, entry.error or "the engine refused the adapter")
         self.adapters.put(entry)
+        if self.load_mode == "cached" and self.scheduler is not None and entry.state == "ready":
+            self.scheduler.adapters.acquire(name, entry.num_pages)  # placed with the next step, kept for good
         return entry
 
     async def remove_adapter(self, name: str) -> None:
@@ -387,6 +436,8 @@ class ServingCore:
                                              "adapter": usage.by_tag.get("adapter", 0)},
             resident_adapters=sched.adapters.resident_names() if sched else [],
             engine=self.engine.describe(),
+            load_mode=self.load_mode,
+            cpu_assist=self.cpu.snapshot() if self.cpu is not None else None,
             draining=self.draining,
             preemptions=sched.num_preemptions if sched else 0,
         )

@@ -34,6 +34,8 @@ class ServingStats:
     engine_restarts: int = 0
     adapter_placements: int = 0
     adapter_evictions: int = 0
+    cpu_timeouts: int = 0
+    load_wait_ms: float = 0.0
     finish_reasons: Counter = field(default_factory=Counter)
     adapter_paths: Counter = field(default_factory=Counter)
     by_adapter: Counter = field(default_factory=Counter)
@@ -52,6 +54,8 @@ class ServingStats:
     def step(self, plan: StepPlan, result: StepResult, round_trip_ms: float, policy_ms: float) -> None:
         """round_trip_ms: plan sent -> result back; policy_ms: scheduling + result handling in the daemon."""
         self.steps += 1
+        self.cpu_timeouts += result.cpu_timeouts
+        self.load_wait_ms += result.load_wait_ms
         self.step_ms.append(round_trip_ms)
         self.policy_ms.append(policy_ms)
         self.engine_ms.append(result.forward_ms + result.sample_ms)
@@ -89,6 +93,7 @@ class ServingStats:
             "errors": self.errors, "tokens": self.tokens, "steps": self.steps,
             "engine_restarts": self.engine_restarts,
             "adapter_placements": self.adapter_placements, "adapter_evictions": self.adapter_evictions,
+            "cpu_timeouts": self.cpu_timeouts, "load_wait_ms": self.load_wait_ms,
             "finish_reasons": dict(self.finish_reasons), "adapter_paths": dict(self.adapter_paths),
             "requests_by_adapter": dict(self.by_adapter.most_common(64)),
             "latency": latency,

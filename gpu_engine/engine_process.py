@@ -171,7 +171,8 @@ class EngineServer:
                 return EngineFailure(code=ErrorCode.OVERLOADED.value, message=str(exc), subject=msg.name)
         layout = executor.add_host_adapter(adapter)
         return EngineAdapterLoaded(name=msg.name, rank=adapter.spec.rank, target_modules=list(adapter.spec.targets),
-                                   num_pages=layout.num_pages, nbytes=adapter.nbytes, store_entry=entry)
+                                   num_pages=layout.num_pages, nbytes=adapter.nbytes, store_entry=entry,
+                                   scaling=adapter.spec.scaling)
 
 
 def main(argv: list[str] | None = None) -> int:

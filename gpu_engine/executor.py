@@ -79,6 +79,8 @@ class Executor:
             resident = resident_lora(self.pool, entry.adapter, entry.layout, placement.pages)
             self.resident[placement.name] = resident
             self.loads[placement.name] = self.loader.start(entry.adapter, resident, placement.load_groups)
+        if not plan.rows:  # placements only (preloading)
+            return StepResult(step_id=plan.step_id, rows=[])
         t0 = time.perf_counter()
         # Rows sorted by adapter make each adapter one contiguous token segment (SGMV-style).
         ordered = sorted(plan.rows, key=lambda r: (r.adapter is not None, r.adapter or ""))

@@ -97,6 +97,8 @@ _SERVE_FLAGS = (
     ("--lora-backend", "model.lora_backend", str, "auto, torch or triton"),
     ("--max-lora-rank", "model.max_lora_rank", int, "largest adapter rank accepted"),
     ("--num-pages", "model.num_pages", int, "unified pool size in pages"),
+    ("--adapter-load-mode", "model.adapter_load_mode", str, "auto, cached, on_demand or cpu_assist"),
+    ("--cpu-workers", "server.cpu_workers", int, "CPU LoRA worker processes (cpu_assist)"),
     ("--max-num-seqs", "scheduler.max_num_seqs", int, "most sequences per iteration"),
     ("--max-batched-tokens", "scheduler.max_batched_tokens", int, "token budget per iteration"),
     ("--scheduler", "scheduler.policy", str, "scheduling policy"),

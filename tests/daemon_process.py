@@ -22,6 +22,12 @@ class DaemonProcess:
         self.args = ["--num-pages", "600", "--max-num-seqs", "16", *args]
         self.proc: subprocess.Popen | None = None
 
+    @property
+    def instance(self) -> str:
+        from loraplex.ipc.runtime_dir import instance_id
+
+        return instance_id(self.runtime_dir)
+
     def start(self, timeout_s: float = 120.0) -> DaemonProcess:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "serve", *self.args], env=self.env,

@@ -336,3 +336,75 @@ def test_raw_socket_bad_inputs_get_stable_codes(daemon):
         raw.close()
         ctx.term()
     _wait_idle(daemon)
+
+
+@pytest.mark.parametrize("mode", ["cpu_assist", "cached"])
+def test_adapter_load_modes_give_the_same_tokens(demo, tmp_path, mode):
+    """cpu_assist (CPU workers compute early layers while a throttled load streams in) and
+    cached (everything preloaded) must both reproduce the offline API's tokens."""
+    prompts = _prompts(4, seed=17)
+    prompts = [p * 3 for p in prompts]  # longer prefills so the CPU path has rows to work on
+    adapters = ["all-r32", "mlp-r64", None, "qv-r8"]
+    llm = LLM(demo.model_dir, num_pages=600)
+    for name in set(adapters) - {None}:
+        llm.add_adapter(name, demo.adapters[name])
+    expected = llm.generate(prompts, adapters=adapters,
+                            sampling=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    env = {"LORAPLEX_MODEL_LOAD_THROTTLE_BYTES_S": "3e6"} if mode == "cpu_assist" else {}
+    proc = DaemonProcess(tmp_path, "--adapter-load-mode", mode, "--cpu-workers", "2", env=env).start()
+    try:
+        with proc.client() as client:
+            got = [client.generate(p, adapter=a, max_tokens=6, temperature=0.0, ignore_eos=True, timeout=120)
+                   for p, a in zip(prompts, adapters)]
+            stats = client.stats()
+    finally:
+        assert proc.stop() == 0, proc.log()
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    assert stats["load_mode"] == mode
+    paths = [g.timings["adapter_path"] for g in got]
+    if mode == "cpu_assist":
+        assert "cpu_assisted" in paths, (paths, stats.get("cpu_assist"))
+        assert stats["cpu_assist"]["jobs"] > 0, stats["cpu_assist"]
+    else:
+        assert paths == ["cached", "cached", "base", "cached"]
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith("lpx-")
+                and p.split("-")[1] == proc.instance], "shared-memory segments left behind"
+
+
+def test_stalled_cpu_worker_does_not_corrupt_or_hang_prefill(demo, tmp_path):
+    prompt = _prompts(1, seed=23)[0] * 4
+    llm = LLM(demo.model_dir, num_pages=600)
+    llm.add_adapter("all-r32", demo.adapters["all-r32"])
+    expected = llm.generate([prompt], adapters=["all-r32"],
+                            sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    proc = DaemonProcess(tmp_path, "--adapter-load-mode", "cpu_assist", "--cpu-workers", "2",
+                         env={"LORAPLEX_MODEL_LOAD_THROTTLE_BYTES_S": "2e6"}).start()
+    stopped = None
+    try:
+        with proc.client() as client:
+            workers = client.stats()["cpu_assist"]["workers"]
+            stopped = workers[0]["pid"]
+            os.kill(stopped, signal.SIGSTOP)  # a worker that hangs mid-job
+            got = client.generate(prompt, adapter="all-r32", max_tokens=4, temperature=0.0, ignore_eos=True,
+                                  timeout=120)
+            assert got.token_ids == expected.token_ids
+            assert got.timings["adapter_path"] == "cpu_assisted"
+            deadline = time.monotonic() + 60
+            while True:
+                stats = client.stats()
+                pids = [w["pid"] for w in stats["cpu_assist"]["workers"]]
+                if stopped not in pids and all(w["ready"] for w in stats["cpu_assist"]["workers"]):
+                    break
+                assert time.monotonic() < deadline, f"stalled worker not replaced: {stats['cpu_assist']}"
+                time.sleep(0.2)
+            assert stats["cpu_timeouts"] >= 1
+            again = client.generate(prompt, adapter="all-r32", max_tokens=4, temperature=0.0, ignore_eos=True,
+                                    timeout=120)
+            assert again.token_ids == expected.token_ids
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        assert proc.stop() == 0, proc.log()

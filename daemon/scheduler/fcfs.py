@@ -114,6 +114,15 @@ class FcfsScheduler:
         self._inflight = plan.step_id
         return plan
 
+    def placement_plan(self) -> StepPlan | None:
+        """A plan with no rows carrying pending adapter placements (e.g. preloading in cached mode)."""
+        if self._inflight is not None:
+            raise RuntimeError("placement_plan() called while a plan is in flight")
+        changes = self.adapters.take_changes()
+        if not changes.place and not changes.evict:
+            return None
+        return StepPlan(step_id=next(self._step_ids), rows=[], place=changes.place, evict=changes.evict)
+
     def discard_inflight(self) -> None:
         """The engine failed to run the plan in flight: nothing it planned was computed, so the
         same tokens are simply planned again (pages and adapter placements stay valid)."""

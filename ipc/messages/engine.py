@@ -67,6 +67,7 @@ class EngineAdapterLoaded(Message):
     num_pages: int
     nbytes: int
     store_entry: StoreEntry | None = None  # where it sits in the host store (cpu_assist)
+    scaling: float = 1.0  # s in y = xW + s·(xA)B
 
 
 @register
