@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "cuda_stream_ops.h"
 #include "futex.h"
 #include "waits.h"
 #include "words.h"
@@ -163,6 +164,32 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("buf"), py::arg("index"), py::arg("value"),
         "Atomically add `value` to word `index`, wake all its waiters, and return the previous value.");
+    m.def(
+        "cuda_stream_ops_unavailable", [] { return loraplex::cuda_stream_ops_unavailable(); },
+        "Empty when the CUDA driver's stream memory operations can be used, else the reason.");
+    m.def(
+        "cuda_launch_store_and_wake",
+        [](uintptr_t stream, const py::buffer& buf, py::ssize_t index, uint64_t value) {
+            WordRef word(buf, index);  // the segment stays mapped for the engine's life
+            loraplex::launch_store_and_wake(stream, word.get(), value);
+        },
+        py::arg("stream"), py::arg("buf"), py::arg("index"), py::arg("value"),
+        "Stream-ordered: when `stream` reaches this point, store `value` into word `index` and wake its "
+        "waiters (from a driver thread); the caller never blocks.");
+    m.def(
+        "cuda_word_device_pointer",
+        [](const py::buffer& buf, py::ssize_t index) {
+            WordRef word(buf, index);
+            return loraplex::device_pointer(reinterpret_cast<uintptr_t>(word.get()));
+        },
+        py::arg("buf"), py::arg("index"), "Device address of word `index` of host-registered memory.");
+    m.def(
+        "cuda_stream_wait_at_least",
+        [](uintptr_t stream, uintptr_t device_address, uint64_t value) {
+            loraplex::stream_wait_at_least(stream, device_address, value);
+        },
+        py::arg("stream"), py::arg("device_address"), py::arg("value"),
+        "Make `stream` wait (on the GPU, not the host) until the 64-bit word at `device_address` >= value.");
     m.def(
         "has_futex",
         [] {

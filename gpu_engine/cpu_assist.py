@@ -70,6 +70,10 @@ class CpuAssistStepRun:
     def active(self, layer: int) -> list[CpuRow]:
         return [r for r in self.rows if r.cpu_layers > layer]
 
+    def start_watchdog(self) -> None:
+        """Nothing to follow: on the host path every site was waited for inline."""
+        return None
+
     def post(self, layer: int, stage: int, x: torch.Tensor) -> None:
         """x: [tokens, in] of the whole step; copy the CPU rows' slice out and signal the workers."""
         rows = self.active(layer)
@@ -116,12 +120,29 @@ class CpuAssistEngine:
     """Owns the engine's exchange segment; makes one CpuAssistStepRun per step that has CPU rows."""
 
     def __init__(self, segment_name: str, *, num_layers: int, hidden: int, q_dim: int, kv_dim: int,
-                 intermediate: int, max_tokens: int, deadline_ms: int = DEFAULT_DEADLINE_MS) -> None:
+                 intermediate: int, max_tokens: int, deadline_ms: int = DEFAULT_DEADLINE_MS,
+                 cuda: bool = False) -> None:
         self.layout = exchange_layout(segment_name, num_layers, hidden, q_dim, kv_dim, intermediate, max_tokens)
         self.segment = self.layout.create_segment()
         self.buffers = ExchangeBuffers(self.layout, self.segment)
         self.deadline_ms = deadline_ms
         self.timeouts = 0
+        self.counters = None  # CudaSiteCounters on CUDA hosts: the sync-free path
+        self._registered: torch.Tensor | None = None
+        if cuda:
+            self._enable_cuda()
+
+    def _enable_cuda(self) -> None:
+        from loraplex.gpu_engine.cpu_assist_cuda import CudaSiteCounters, cuda_stream_ops_available
+
+        if not cuda_stream_ops_available():
+            return  # host copies and waits still work, the launching thread just blocks per site
+        whole = torch.frombuffer(self.segment.buf, dtype=torch.uint8)
+        rc = torch.cuda.cudart().cudaHostRegister(whole.data_ptr(), self.segment.size, 0)
+        if int(rc) != 0:
+            return
+        self._registered = whole
+        self.counters = CudaSiteCounters(self.buffers)
 
     def step(self, cpu: CpuAssistStep, rows: list[tuple[int, int, int, int, HostAdapter]]) -> CpuAssistStepRun:
         """rows: (exchange row, first batch token, count, cpu_layers, adapter) per CPU-assisted row."""
@@ -129,11 +150,19 @@ class CpuAssistEngine:
             raise ValueError(f"plan uses {cpu.exchange_rows} exchange rows; the exchange holds {self.layout.max_tokens}")
         cpu_rows = [CpuRow(first=first, count=n, xrow=xrow, cpu_layers=layers, adapter=adapter)
                     for xrow, first, n, layers, adapter in rows]
+        if self.counters is not None:
+            from loraplex.gpu_engine.cpu_assist_cuda import CudaCpuAssistStepRun
+
+            return CudaCpuAssistStepRun(self.buffers, self.counters, cpu.seq, cpu.workers_per_layer, cpu_rows,
+                                        self.deadline_ms)
         return CpuAssistStepRun(self.buffers, cpu.seq, cpu.workers_per_layer, cpu_rows, self.deadline_ms)
 
     def close(self) -> None:
         self.buffers.x.clear()
         self.buffers.out.clear()
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered.data_ptr())
+            self._registered = None
         self.segment.close()
         if self.segment.owner:
             self.segment.unlink()

@@ -68,7 +68,8 @@ class CpuAssistResources:
         try:
             self.assist = CpuAssistEngine(segment_name(instance, "xchg0"), num_layers=cfg.num_layers,
                                           hidden=cfg.hidden_size, q_dim=cfg.q_dim, kv_dim=cfg.kv_dim,
-                                          intermediate=cfg.intermediate_size, max_tokens=spec.exchange_max_tokens)
+                                          intermediate=cfg.intermediate_size, max_tokens=spec.exchange_max_tokens,
+                                          cuda=runtime.executor.device.type == "cuda")
         except BaseException:
             self.store.close()
             raise

@@ -86,6 +86,8 @@ class Executor:
         ordered = sorted(plan.rows, key=lambda r: (r.adapter is not None, r.adapter or ""))
         batch = self._build_batch(ordered, plan)
         logits = self.model.forward(batch, self.pool)
+        # On CUDA the forward is only enqueued: the watchdog must follow the CPU sites before anything syncs.
+        watchdog = batch.cpu.start_watchdog() if batch.cpu is not None else None
         t1 = time.perf_counter()
         sampled_rows = [r for r in ordered if r.sample]
         tokens, logprobs = sample(logits, [r.sampling for r in sampled_rows], [r.sample_index for r in sampled_rows])
@@ -94,6 +96,8 @@ class Executor:
             for r, t, lp in zip(sampled_rows, tokens, logprobs)
         ]
         t2 = time.perf_counter()
+        if watchdog is not None:
+            watchdog.join()
         for name in [n for n, load in self.loads.items() if load.done()]:
             del self.loads[name]
         return StepResult(step_id=plan.step_id, rows=rows, forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3,

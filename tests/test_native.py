@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+import os
+
 import pytest
 
 import loraplex
@@ -249,8 +251,24 @@ WORD_FUNCTIONS = {
 }
 
 
+CUDA_FUNCTIONS = {"cuda_stream_ops_unavailable", "cuda_launch_store_and_wake", "cuda_word_device_pointer",
+                  "cuda_stream_wait_at_least"}
+
+
 def test_word_function_table_covers_the_module() -> None:
-    assert set(WORD_FUNCTIONS) == set(stub_functions()) - {"has_futex"}
+    assert set(WORD_FUNCTIONS) == set(stub_functions()) - {"has_futex"} - CUDA_FUNCTIONS
+
+
+def test_cuda_stream_ops_say_why_they_are_unavailable_without_a_driver() -> None:
+    if not os.path.exists("/dev/nvidiactl"):
+        # No NVIDIA driver here: every entry point refuses cleanly instead of crashing.
+        assert "libcuda" in _C.cuda_stream_ops_unavailable()
+        raw, buf = aligned_view(32)
+        with pytest.raises(RuntimeError, match="libcuda"):
+            _C.cuda_stream_wait_at_least(0, 0, 1)
+        with pytest.raises(RuntimeError, match="libcuda"):
+            _C.cuda_launch_store_and_wake(0, buf, 0, 1)
+        assert bytes(raw) == bytes(len(raw))
 
 
 @pytest.mark.parametrize("name", sorted(WORD_FUNCTIONS))
