@@ -88,6 +88,7 @@ class ServingCore:
     async def _engine_up(self) -> None:
         hello = await self.engine.start()
         self.hello = hello
+        self.stats.link_bytes_per_s = hello.link_bytes_per_s
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(hello.model_dir)
         geometry = PageGeometry(kv_dim=hello.kv_dim, page_tokens=hello.page_tokens, max_row_width=hello.page_elems)

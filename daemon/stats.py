@@ -13,6 +13,10 @@ from loraplex.ipc.engine_plan import StepPlan, StepResult
 from loraplex.ipc.protocol import DoneReply
 
 WINDOW = 1024
+RATE_WINDOW_S = 5.0  # MB/s figures are averaged over this many seconds
+# purpose -> direction of the link it uses
+TRANSFER_PURPOSES = {"adapter_h2d": ("adapter_loads", "h2d"), "assist_d2h": ("cpu_assist", "d2h"),
+                     "assist_h2d": ("cpu_assist", "h2d")}
 
 
 def _percentile(values: deque[float], q: float) -> float:
@@ -46,6 +50,9 @@ class ServingStats:
     engine_ms: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     batch_rows: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     policy_ms: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    transfer_totals: Counter = field(default_factory=Counter)
+    transfers: deque = field(default_factory=lambda: deque(maxlen=4 * WINDOW))  # (time, key, bytes)
+    link_bytes_per_s: float = 0.0
 
     def accepted(self, adapter: str | None) -> None:
         self.requests += 1
@@ -54,6 +61,11 @@ class ServingStats:
     def step(self, plan: StepPlan, result: StepResult, round_trip_ms: float, policy_ms: float) -> None:
         """round_trip_ms: plan sent -> result back; policy_ms: scheduling + result handling in the daemon."""
         self.steps += 1
+        now = time.monotonic()
+        for key, nbytes in result.transfer_bytes.items():
+            if nbytes:
+                self.transfer_totals[key] += nbytes
+                self.transfers.append((now, key, nbytes))
         self.cpu_timeouts += result.cpu_timeouts
         self.load_wait_ms += result.load_wait_ms
         self.step_ms.append(round_trip_ms)
@@ -77,6 +89,24 @@ class ServingStats:
             if isinstance(value, float):
                 window.append(value)
 
+    def pcie(self) -> dict[str, object]:
+        """Host<->device traffic: MB/s over the last RATE_WINDOW_S seconds by direction and purpose."""
+        now = time.monotonic()
+        while self.transfers and now - self.transfers[0][0] > RATE_WINDOW_S:
+            self.transfers.popleft()
+        span = min(RATE_WINDOW_S, max(1e-3, now - self.started))
+        rates: Counter = Counter()
+        by_purpose: dict[str, dict[str, float]] = {}
+        for _, key, nbytes in self.transfers:
+            purpose, direction = TRANSFER_PURPOSES.get(key, (key, "h2d"))
+            rates[direction] += nbytes
+            by_purpose.setdefault(purpose, {"h2d_mb_s": 0.0, "d2h_mb_s": 0.0})[f"{direction}_mb_s"] += nbytes / span / 1e6
+        h2d, d2h = rates["h2d"] / span / 1e6, rates["d2h"] / span / 1e6
+        link = self.link_bytes_per_s / 1e6
+        return {"h2d_mb_s": h2d, "d2h_mb_s": d2h, "link_mb_s": link,
+                "utilisation_pct": 100.0 * max(h2d, d2h) / link if link else 0.0,
+                "by_purpose": by_purpose, "total_bytes": dict(self.transfer_totals)}
+
     def snapshot(self, **live: object) -> dict[str, object]:
         uptime = time.monotonic() - self.started
         latency = {
@@ -97,6 +127,7 @@ class ServingStats:
             "finish_reasons": dict(self.finish_reasons), "adapter_paths": dict(self.adapter_paths),
             "requests_by_adapter": dict(self.by_adapter.most_common(64)),
             "latency": latency,
+            "pcie": self.pcie(),
             "mean_batch_rows": sum(self.batch_rows) / len(self.batch_rows) if self.batch_rows else 0.0,
             "control_overhead_ms": max(0.0, mean_step - mean_engine),
             "policy_ms_mean": sum(self.policy_ms) / len(self.policy_ms) if self.policy_ms else 0.0,

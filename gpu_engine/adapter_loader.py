@@ -60,6 +60,7 @@ class AdapterLoader:
         self.cuda = pool.data.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=pool.data.device) if self.cuda else None
         self.total_bytes = 0
+        self.started_bytes = 0  # bytes of every load started (the link carries them as the groups stream)
 
     def start(self, adapter: HostAdapter, resident: ResidentLora, groups: int) -> GroupLoad:
         num_layers = self.pool.data.shape[0]
@@ -68,6 +69,8 @@ class AdapterLoader:
         for g, part in enumerate(parts):
             for layer in part:
                 load.group_of_layer[layer] = g
+        self.started_bytes += sum((a.numel() + adapter.b[layer][m].numel()) * a.element_size()
+                                  for layer in range(num_layers) for m, a in adapter.a[layer].items())
         if self.cuda:
             self._start_cuda(adapter, resident, load)
         else:

@@ -64,6 +64,8 @@ class CpuAssistStepRun:
         self.rows = rows
         self.deadline_ms = deadline_ms
         self.timeouts = 0
+        self.d2h_bytes = 0
+        self.h2d_bytes = 0
         self._fallback = False  # after a timeout the rest of the step is computed here
         self._done_base: dict[int, int] = {}
 
@@ -85,6 +87,7 @@ class CpuAssistStepRun:
         xbuf = self.buf.x[stage]
         for r in rows:
             xbuf[r.xrow:r.xrow + r.count].copy_(x[r.first:r.first + r.count])
+            self.d2h_bytes += r.count * x.shape[1] * 4
         _C.store_and_wake(self.buf.words, layout.ready_word(site), self.seq)
 
     def collect(self, layer: int, stage: int, x: torch.Tensor, outs: dict[str, torch.Tensor]) -> None:
@@ -102,6 +105,7 @@ class CpuAssistStepRun:
                     for r in rows:
                         if r.targets(module):
                             out[r.first:r.first + r.count] += delta[r.xrow:r.xrow + r.count].to(out.dtype)
+                            self.h2d_bytes += r.count * out.shape[1] * 4
                 return
             self.timeouts += 1
             self._fallback = True

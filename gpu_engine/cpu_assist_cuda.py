@@ -60,6 +60,8 @@ class CudaCpuAssistStepRun:
         self.rows = rows
         self.deadline_ms = deadline_ms
         self.timeouts = 0
+        self.d2h_bytes = 0
+        self.h2d_bytes = 0
         self.stream = torch.cuda.current_stream()
         self._sites: list[tuple[int, int, int, list[CpuRow]]] = []  # (site, stage, target, rows) for the watchdog
 
@@ -74,6 +76,7 @@ class CudaCpuAssistStepRun:
         xbuf = self.buf.x[stage]
         for r in rows:
             xbuf[r.xrow:r.xrow + r.count].copy_(x[r.first:r.first + r.count], non_blocking=True)
+            self.d2h_bytes += r.count * x.shape[1] * 4
         _C.cuda_launch_store_and_wake(self.stream.cuda_stream, self.buf.words, self.buf.layout.ready_word(site),
                                       self.seq)
         self.counters.done[site] += self.workers[layer]
@@ -92,6 +95,7 @@ class CudaCpuAssistStepRun:
                 if r.targets(module):
                     rows_gpu = delta[r.xrow:r.xrow + r.count].to(out.device, non_blocking=True)
                     out[r.first:r.first + r.count] += rows_gpu.to(out.dtype)
+                    self.h2d_bytes += r.count * out.shape[1] * 4
 
     def start_watchdog(self) -> threading.Thread:
         """Follow the enqueued sites from a host thread (after the forward was enqueued)."""

@@ -71,6 +71,7 @@ class Executor:
 
     # ---- execution --------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
+        loaded_before = self.loader.started_bytes
         for name in plan.evict:
             self._drop_resident(name)
         for placement in plan.place:
@@ -80,7 +81,8 @@ class Executor:
             self.resident[placement.name] = resident
             self.loads[placement.name] = self.loader.start(entry.adapter, resident, placement.load_groups)
         if not plan.rows:  # placements only (preloading)
-            return StepResult(step_id=plan.step_id, rows=[])
+            return StepResult(step_id=plan.step_id, rows=[],
+                              transfer_bytes={"adapter_h2d": self.loader.started_bytes - loaded_before})
         t0 = time.perf_counter()
         # Rows sorted by adapter make each adapter one contiguous token segment (SGMV-style).
         ordered = sorted(plan.rows, key=lambda r: (r.adapter is not None, r.adapter or ""))
@@ -100,9 +102,13 @@ class Executor:
             watchdog.join()
         for name in [n for n, load in self.loads.items() if load.done()]:
             del self.loads[name]
+        transfers = {"adapter_h2d": self.loader.started_bytes - loaded_before}
+        if batch.cpu is not None:
+            transfers["assist_d2h"] = batch.cpu.d2h_bytes
+            transfers["assist_h2d"] = batch.cpu.h2d_bytes
         return StepResult(step_id=plan.step_id, rows=rows, forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3,
                           cpu_timeouts=batch.cpu.timeouts if batch.cpu is not None else 0,
-                          load_wait_ms=batch.load_wait_ms)
+                          load_wait_ms=batch.load_wait_ms, transfer_bytes=transfers)
 
     def _build_batch(self, rows: list[RowPlan], plan: StepPlan) -> ForwardBatch:
         token_ids: list[int] = []

@@ -91,3 +91,6 @@ class StepResult:
     # CPU-assist sites whose workers missed the deadline (the engine computed those deltas itself).
     cpu_timeouts: int = 0
     load_wait_ms: float = 0.0  # compute time spent waiting for adapter layer groups to arrive
+    # Bytes moved over the host<->device link in this step, by purpose:
+    # adapter_h2d (layer-group loads), assist_d2h (activations to the CPU workers), assist_h2d (their deltas).
+    transfer_bytes: dict[str, int] = field(default_factory=dict)
