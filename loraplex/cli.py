@@ -293,6 +293,19 @@ def _run_top(args: argparse.Namespace) -> int:
         return 2
 
 
+def _configure_gateway(parser: argparse.ArgumentParser) -> None:
+    from loraplex.gateway.cli import configure
+
+    configure(parser)
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    """The OpenAI-compatible HTTP gateway, a client of the running daemon (aiohttp; never imports torch)."""
+    from loraplex.gateway.cli import run
+
+    return run(args)
+
+
 COMMANDS: dict[str, Command] = {
     "generate": Command(help="generate a completion through the running daemon", configure=_configure_generate,
                         run=_run_generate),
@@ -301,6 +314,8 @@ COMMANDS: dict[str, Command] = {
     "stats": Command(help="print the daemon's metrics as JSON", configure=_configure_stats, run=_run_stats),
     "top": Command(help="live admin console: queues, requests, cache, PCIe, workers, engines; admin actions",
                    configure=_configure_top, run=_run_top),
+    "gateway": Command(help="OpenAI-compatible HTTP server (completions, chat, models, metrics) over the daemon",
+                       configure=_configure_gateway, run=_run_gateway),
     "serve": Command(
         help="run the daemon in the foreground (Ctrl-C drains and stops)",
         configure=_configure_serve,

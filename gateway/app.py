@@ -1,0 +1,110 @@
+"""The aiohttp application: routes, the OpenAI-style error middleware, the
+lifecycle of the shared daemon clients, and `serve()` (listen until stopped).
+
+One AsyncClient serves every HTTP request concurrently over one socket; it
+is created and closed inside the server's event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from loraplex.gateway import completions, models
+from loraplex.gateway.chat_template import ChatTemplate
+from loraplex.gateway.config import GatewayConfig
+from loraplex.gateway.daemon_metrics import DaemonStats
+from loraplex.gateway.errors import ApiError, from_daemon
+from loraplex.gateway.metrics import GatewayMetrics
+from loraplex.gateway.state import STATE, GatewayState
+from loraplex.ipc.client import AsyncAdminClient, AsyncClient, LoraplexError
+
+log = logging.getLogger("loraplex.gateway")
+MAX_BODY_BYTES = 64 << 20  # token-id prompts are large JSON
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+SHUTDOWN_TIMEOUT_S = 10.0
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure becomes `{"error": {...}}` with its status."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except LoraplexError as exc:
+        return from_daemon(exc).response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = "not_found" if exc.status == 404 else exc.reason.lower().replace(" ", "_")
+        return ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}", code=code).response()
+    except Exception:
+        log.exception("unhandled error serving %s %s", request.method, request.path)
+        return ApiError(500, "internal error in the gateway; see its log", code="internal").response()
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = await request.app[STATE].metrics.exposition()
+    return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+def build_app(config: GatewayConfig) -> web.Application:
+    """The gateway application; the daemon clients open when it starts."""
+    app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
+    client = AsyncClient(runtime_dir=config.runtime_dir)
+    admin = AsyncAdminClient(runtime_dir=config.runtime_dir) if config.enable_adapter_admin else None
+    stats = DaemonStats(lambda timeout: client.stats(timeout=timeout), timeout_s=config.stats_timeout_s,
+                        cache_s=config.stats_cache_s)
+    app[STATE] = GatewayState(config=config, client=client, admin=admin,
+                              metrics=GatewayMetrics(stats, max_loras=config.max_loras),
+                              chat_template=ChatTemplate.from_model_dir(config.model_dir))
+    app.router.add_post("/v1/completions", completions.counted("completions", completions.completions))
+    app.router.add_post("/v1/chat/completions", completions.counted("chat", completions.chat_completions))
+    app.router.add_get("/v1/models", models.list_models)
+    app.router.add_get("/v1/models/{model}", models.retrieve_model)
+    if config.enable_adapter_admin:
+        app.router.add_post("/v1/load_lora_adapter", models.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", models.unload_lora_adapter)
+    app.router.add_get("/health", models.health)
+    app.router.add_get("/metrics", metrics)
+    app.on_cleanup.append(_close_clients)
+    return app
+
+
+async def _close_clients(app: web.Application) -> None:
+    state = app[STATE]
+    await state.client.close()
+    if state.admin is not None:
+        await state.admin.close()
+
+
+async def serve(config: GatewayConfig, *, stop: asyncio.Event | None = None,
+                on_listening: Callable[[str, int], None] | None = None) -> None:
+    """Listen until `stop` is set (default: until SIGINT or SIGTERM), then
+    finish in-flight responses (up to SHUTDOWN_TIMEOUT_S) and close.
+    `on_listening(host, port)` is called once bound (port 0 picks one)."""
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    # handler_cancellation: a client that disconnects cancels its generation on the daemon.
+    app = build_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        log.info("serving the OpenAI API at http://%s:%d/v1 (daemon: %s)", host, port, app[STATE].client.endpoint)
+        if on_listening is not None:
+            on_listening(host, port)
+        await stop.wait()
+    finally:
+        await runner.cleanup()

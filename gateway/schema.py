@@ -1,0 +1,259 @@
+"""OpenAI request bodies -> validated generation requests.
+
+Owns which OpenAI (and vLLM extension) parameters the gateway accepts and
+what it refuses with a 400 rather than silently ignore. Pure functions over
+decoded JSON; ranges the daemon checks itself (temperature, seed, stop
+lengths...) are left to the client library's message validation.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from loraplex.gateway.errors import bad_request
+from loraplex.ipc.messages.client import MAX_NEW_TOKENS
+
+Prompt = str | list[int]
+# Completions default (as OpenAI and vLLM); chat generates until a stop or the end of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_PROMPTS_PER_REQUEST = 128
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# Accepted only at their no-op value: the daemon has no such feature.
+_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "best_of": 1, "suffix": None,
+            "logit_bias": None, "tools": None, "functions": None, "echo": False, "min_tokens": 0,
+            "prompt_logprobs": None, "use_beam_search": False}
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """The generation parameters one HTTP request applies to each of its prompts."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    priority: int = 0
+
+    def client_kwargs(self) -> dict[str, object]:
+        """Keyword arguments for AsyncClient.stream."""
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop),
+                "stop_token_ids": list(self.stop_token_ids), "ignore_eos": self.ignore_eos,
+                "logprobs": self.logprobs, "priority": self.priority}
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    model: str | None
+    prompts: list[Prompt]
+    sampling: Sampling
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    model: str | None
+    messages: list[dict[str, Any]]
+    sampling: Sampling
+    stream: bool
+    include_usage: bool
+    add_generation_prompt: bool
+    template_kwargs: dict[str, Any]
+
+
+def parse_completion(body: object) -> CompletionRequest:
+    b = _object(body)
+    _refuse_unsupported(b)
+    logprobs = _opt_int(b, "logprobs", 0, 20)
+    if logprobs is not None and logprobs > 0:
+        raise bad_request("only the sampled token's logprob is available: use logprobs=0", "logprobs",
+                          "unsupported_value")
+    stream, include_usage = _stream(b)
+    return CompletionRequest(
+        model=_model(b), prompts=_prompts(b.get("prompt")), stream=stream, include_usage=include_usage,
+        sampling=_sampling(b, _opt_int(b, "max_tokens", 1, MAX_NEW_TOKENS) or COMPLETIONS_DEFAULT_MAX_TOKENS,
+                           logprobs=logprobs is not None),
+    )
+
+
+def parse_chat(body: object) -> ChatRequest:
+    b = _object(body)
+    _refuse_unsupported(b)
+    top = _opt_int(b, "top_logprobs", 0, 20)
+    if top:
+        raise bad_request("only the sampled token's logprob is available: use top_logprobs=0", "top_logprobs",
+                          "unsupported_value")
+    if b.get("response_format") not in (None, {"type": "text"}):
+        raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
+                          "unsupported_value")
+    if b.get("tool_choice") not in (None, "none"):
+        raise bad_request("tool calling is not supported", "tool_choice", "unsupported_value")
+    max_tokens = _opt_int(b, "max_completion_tokens", 1, MAX_NEW_TOKENS)
+    if max_tokens is None:
+        max_tokens = _opt_int(b, "max_tokens", 1, MAX_NEW_TOKENS)
+    stream, include_usage = _stream(b)
+    kwargs = b.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+    return ChatRequest(
+        model=_model(b), messages=_messages(b.get("messages")), stream=stream, include_usage=include_usage,
+        sampling=_sampling(b, max_tokens or MAX_NEW_TOKENS, logprobs=_opt_bool(b, "logprobs", False)),
+        add_generation_prompt=_opt_bool(b, "add_generation_prompt", True), template_kwargs=kwargs,
+    )
+
+
+# ---- pieces ------------------------------------------------------------------------------------
+def _object(body: object) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def _refuse_unsupported(b: Mapping[str, Any]) -> None:
+    n = b.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise bad_request(f"n must be a positive integer, got {n!r}", "n")
+    if n is not None and n > 1:
+        raise bad_request("only n=1 is supported", "n", "unsupported_value")
+    for name, neutral in _NEUTRAL.items():
+        value = b.get(name)
+        if value is not None and value != neutral and value not in ({}, []):
+            raise bad_request(f"{name} is not supported (got {value!r})", name, "unsupported_parameter")
+
+
+def _model(b: Mapping[str, Any]) -> str | None:
+    model = b.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise bad_request("model must be a non-empty string", "model")
+    return model
+
+
+def _stream(b: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = _opt_bool(b, "stream", False)
+    options = b.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad_request("stream_options can only be given with stream=true", "stream_options")
+    if not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    return stream, _opt_bool(options, "include_usage", False)
+
+
+def _sampling(b: Mapping[str, Any], max_tokens: int, *, logprobs: bool) -> Sampling:
+    temperature = _opt_float(b, "temperature")
+    top_p = _opt_float(b, "top_p")
+    stop_ids = b.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
+        raise bad_request("stop_token_ids must be a list of integers", "stop_token_ids")
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=_top_k(b),
+        seed=_opt_int(b, "seed", None, None),
+        stop=_stop(b.get("stop")),
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=_opt_bool(b, "ignore_eos", False),
+        logprobs=logprobs,
+        priority=_opt_int(b, "priority", None, None) or 0,
+    )
+
+
+def _top_k(b: Mapping[str, Any]) -> int:
+    top_k = _opt_int(b, "top_k", None, None)
+    return -1 if top_k is None or top_k in (0, -1) else top_k  # vLLM: 0 and -1 both disable it
+
+
+def _stop(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise bad_request("stop must be a string or a list of strings", "stop")
+
+
+def _prompts(prompt: object) -> list[Prompt]:
+    """One string, one list of token ids, or a batch of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(_is_int(t) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)) for p in prompt):
+            if len(prompt) > MAX_PROMPTS_PER_REQUEST:
+                raise bad_request(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request", "prompt")
+            return [p if isinstance(p, str) else list(p) for p in prompt]
+    raise bad_request("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
+
+
+def _messages(messages: object) -> list[dict[str, Any]]:
+    """Chat messages with their content flattened to text (text parts joined by newlines)."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise bad_request(f"messages[{i}] must be an object whose role is one of {sorted(CHAT_ROLES)}",
+                              "messages")
+        out.append({**m, "content": _content(m.get("content"), i)})
+    return out
+
+
+def _content(content: object, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}].content: only text parts are supported", "messages",
+                                  "unsupported_value")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _opt_int(b: Mapping[str, Any], name: str, lo: int | None, hi: int | None) -> int | None:
+    value = b.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = "" if lo is None else f" in [{lo}, {hi}]" if hi is not None else f" >= {lo}"
+        raise bad_request(f"{name} must be an integer{bounds}, got {value!r}", name)
+    return value
+
+
+def _opt_float(b: Mapping[str, Any], name: str) -> float | None:
+    value = b.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(f"{name} must be a number, got {value!r}", name)
+    return float(value)
+
+
+def _opt_bool(b: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = b.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be true or false, got {value!r}", name)
+    return value
+
