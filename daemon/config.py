@@ -30,10 +30,11 @@ ENV_ALIASES: dict[str, str] = {
     ENV_STATE_DIR: "server.state_dir",
 }
 # Scheduling policies the daemon can build; extend when a policy lands in daemon/scheduler.
-SCHEDULER_POLICIES: tuple[str, ...] = ("fcfs",)
+SCHEDULER_POLICIES: tuple[str, ...] = ("fcfs", "mlq", "dlora")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 LORA_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+CACHE_POLICIES: tuple[str, ...] = ("none", "lru", "fifo", "cost")
 ADAPTER_LOAD_MODES: tuple[str, ...] = ("auto", "cached", "on_demand", "cpu_assist")
 # Same value as loraplex.ipc.codec.DEFAULT_MAX_MESSAGE_BYTES (not imported: that pulls in zmq).
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
@@ -171,10 +172,19 @@ class SchedulerSettings(_Section):
     max_num_seqs: int = field(default=64, metadata=_help("Most sequences in one iteration's batch."))
     max_batched_tokens: int = field(default=2048, metadata=_help("Token budget of one iteration (prefill + decode)."))
     max_loras_per_batch: int = field(default=64, metadata=_help("Most distinct adapters in one iteration's batch."))
+    ttft_slo_ms: float | None = field(default=None, metadata=_help(
+        "Early abort (S-LoRA 4.3): refuse queued requests predicted to miss this time to first token.", "2000"))
+    cluster_adapters: bool = field(default=False, metadata=_help(
+        "Prefer admitting requests whose adapter is already running (S-LoRA adapter clustering)."))
+    cache_policy: str = field(default="lru", metadata=_help(
+        "GPU adapter cache eviction: none (free on last use), lru, fifo or cost (Chameleon score)."))
 
     def __post_init__(self) -> None:
         self._check_types()
+        if self.ttft_slo_ms is not None:
+            self._finite("ttft_slo_ms", low=0.0, low_open=True)
         self._choice("policy", SCHEDULER_POLICIES)
+        self._choice("cache_policy", CACHE_POLICIES)
         for name in ("max_num_seqs", "max_batched_tokens", "max_loras_per_batch"):
             self._positive(name)
         if self.max_batched_tokens < self.max_num_seqs:

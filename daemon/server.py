@@ -131,16 +131,17 @@ class Dispatcher:
                 if self.registry.get(msg.name) is not None:  # built-in demo adapters live only in memory
                     self.registry.set_pinned(msg.name, msg.pinned)
                 entry.pinned = msg.pinned
+                self.core.pin_adapter(msg.name, msg.pinned)
                 return AdminOkReply(detail={"adapter": msg.name, "pinned": msg.pinned}, request_id=rid)
             if isinstance(msg, DrainRequest):
                 self.on_drain(msg.timeout_s)
                 return AdminOkReply(detail={"draining": True, "timeout_s": msg.timeout_s}, request_id=rid)
             if isinstance(msg, SetPolicyRequest):
-                current = {"scheduler": "fcfs", "cache": "lru"}[msg.kind]
-                if msg.name != current:
-                    raise Rejected(ErrorCode.INVALID_FIELD,
-                                   f"{msg.kind} policy {msg.name!r} is not available; this build has {current!r}")
-                return AdminOkReply(detail={msg.kind: current}, request_id=rid)
+                if msg.kind == "scheduler":
+                    self.core.set_policy(msg.name)
+                else:
+                    self.core.set_cache_policy(msg.name)
+                return AdminOkReply(detail={msg.kind: msg.name}, request_id=rid)
         except RegistryError as exc:
             code = {"already_exists": ErrorCode.ALREADY_EXISTS, "not_found": ErrorCode.NOT_FOUND,
                     "forbidden_path": ErrorCode.FORBIDDEN_PATH}.get(exc.code, ErrorCode.INVALID_FIELD)

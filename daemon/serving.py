@@ -20,7 +20,9 @@ from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.daemon.request_state import ClientRequest
-from loraplex.daemon.scheduler.fcfs import FcfsScheduler, SchedulerConfig
+from loraplex.daemon.scheduler.config import SchedulerConfig
+from loraplex.daemon.cache.policies import POLICY_NAMES
+from loraplex.daemon.scheduler.factory import POLICIES, make_scheduler
 from loraplex.daemon.scheduler.sequence import SeqRequest
 from loraplex.daemon.stats import ServingStats
 from loraplex.errors import CapacityError
@@ -63,10 +65,13 @@ class ServingCore:
         self._make_cpu_pool = make_cpu_pool
         self.cpu = None  # CpuAssistDriver in cpu_assist mode
         self.load_mode = "on_demand"
+        self.policy = config.scheduler.policy
+        self._policy_switch: str | None = None
+        self.cache_policy = config.scheduler.cache_policy
         self.adapters = AdapterTable()
         self.requests: dict[str, ClientRequest] = {}
         self.stats = ServingStats()
-        self.scheduler: FcfsScheduler | None = None
+        self.scheduler = None  # the policy built by make_scheduler once the engine is up
         self.allocator: PageAllocator | None = None
         self.hello: EngineHello | None = None
         self.tokenizer = None
@@ -94,13 +99,8 @@ class ServingCore:
         geometry = PageGeometry(kv_dim=hello.kv_dim, page_tokens=hello.page_tokens, max_row_width=hello.page_elems)
         self.allocator = PageAllocator(hello.num_pages)
         self.load_mode = hello.load_mode
-        sched = self.config.scheduler
         groups = self.config.model.load_groups if self.load_mode == "cpu_assist" else 1
-        self.scheduler = FcfsScheduler(
-            SchedulerConfig(max_num_seqs=sched.max_num_seqs, max_batched_tokens=sched.max_batched_tokens,
-                            max_model_len=hello.max_model_len, load_groups=groups),
-            geometry, self.allocator, self.adapters.pages, tuple(hello.eos_token_ids),
-        )
+        self.scheduler = self._build_scheduler(self.policy, geometry, hello, groups)
         for name, path in hello.demo_adapters.items():  # the built-in demo's adapters, serving without --model
             if name not in self.adapters:
                 self.adapters.put(AdapterEntry(name=name, path=path))
@@ -113,6 +113,49 @@ class ServingCore:
         pending, self._pending = self._pending, []
         for req in pending:
             self._enqueue(req)
+
+    def _build_scheduler(self, policy: str, geometry: PageGeometry, hello: EngineHello, groups: int):
+        sched = self.config.scheduler
+        return make_scheduler(
+            policy,
+            SchedulerConfig(max_num_seqs=sched.max_num_seqs, max_batched_tokens=sched.max_batched_tokens,
+                            max_model_len=hello.max_model_len, load_groups=groups,
+                            max_loras_per_batch=sched.max_loras_per_batch,
+                            ttft_slo_s=None if sched.ttft_slo_ms is None else sched.ttft_slo_ms / 1e3,
+                            cluster_adapters=sched.cluster_adapters, cache_policy=self.cache_policy),
+            geometry, self.allocator, self.adapters.pages, tuple(hello.eos_token_ids),
+            adapter_rank=lambda name: self.adapters.get(name).rank,
+        )
+
+    def set_policy(self, name: str) -> None:
+        """Switch the scheduling policy at run time; takes effect before the next step."""
+        if name not in POLICIES:
+            raise Rejected(ErrorCode.INVALID_FIELD, f"unknown scheduler {name!r}; choose one of {POLICIES}")
+        self.policy = name
+        self._policy_switch = name
+        self._work.set()
+
+    def set_cache_policy(self, name: str) -> None:
+        """Switch the GPU adapter cache policy at run time; resident adapters stay."""
+        if name not in POLICY_NAMES:
+            raise Rejected(ErrorCode.INVALID_FIELD, f"unknown cache policy {name!r}; choose one of {POLICY_NAMES}")
+        self.cache_policy = name
+        if self.scheduler is not None:
+            self.scheduler.adapters.set_policy(name)
+
+    def pin_adapter(self, name: str, pinned: bool) -> None:
+        if self.scheduler is not None:
+            (self.scheduler.adapters.pin if pinned else self.scheduler.adapters.unpin)(name)
+
+    def _apply_policy_switch(self) -> None:
+        name, self._policy_switch = self._policy_switch, None
+        old = self.scheduler
+        if name is None or old is None or self.hello is None:
+            return
+        fresh = self._build_scheduler(name, old.geometry, self.hello, old.config.load_groups)
+        fresh.adopt(old)
+        self.scheduler = fresh
+        log.info("scheduler switched to %s", name)
 
     async def _start_cpu_assist(self, hello: EngineHello) -> None:
         if self.cpu is not None:
@@ -199,6 +242,7 @@ class ServingCore:
                                   top_k=msg.top_k, seed=msg.seed if msg.seed is not None else secrets.randbits(63),
                                   logprobs=msg.logprobs),
             max_tokens=msg.max_tokens, stop_token_ids=frozenset(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+            ttft_slo_s=None if msg.slo_ttft_ms is None else msg.slo_ttft_ms / 1e3,
         )
         self.requests[key] = state
         self._idle.clear()
@@ -209,6 +253,8 @@ class ServingCore:
             self._check_idle()
             raise Rejected(ErrorCode.TOO_LARGE, str(exc)) from None
         self.stats.accepted(msg.adapter)
+        if msg.adapter is not None and self.scheduler is not None:
+            self.scheduler.adapters.note_arrival(msg.adapter)
         if msg.adapter is not None:
             self.adapters.get(msg.adapter).requests += 1
         if msg.deadline_ms is not None:
@@ -265,11 +311,16 @@ class ServingCore:
         while True:
             await self._work.wait()
             policy_started = time.perf_counter()
+            if self._policy_switch is not None:
+                self._apply_policy_switch()
             plan = self.scheduler.schedule() if self.scheduler is not None else None
+            if self.scheduler is not None:
+                for aborted in self.scheduler.take_aborted():  # SLO early abort (S-LoRA 4.3)
+                    await self._fail(aborted.request_id, ErrorCode(aborted.code), aborted.message)
             if plan is None:
                 self._work.clear()
                 continue
-            if self.cpu is not None:
+            if self.cpu is not None and plan.merged_adapter is None:
                 plan = await self.cpu.prepare(plan, self.adapters)
             self._mark_scheduled(plan)
             started = time.perf_counter()
@@ -303,7 +354,9 @@ class ServingCore:
             state = self.requests.get(row.request_id)
             if state is not None and state.first_scheduled is None:
                 state.first_scheduled = now
-                if row.cpu_layers:
+                if plan.merged_adapter is not None and row.adapter == plan.merged_adapter:
+                    state.adapter_path = "merged"
+                elif row.cpu_layers:
                     state.adapter_path = "cpu_assisted"
                 elif row.adapter in placed:
                     state.adapter_path = "loaded"
@@ -413,7 +466,7 @@ class ServingCore:
         if users:
             raise Rejected(ErrorCode.INVALID_FIELD, f"adapter {name!r} is used by {len(users)} requests in flight")
         if self.scheduler is not None:
-            self.scheduler.adapters.drop(name)
+            self.scheduler.adapters.forget(name)
         self.adapters.pop(name)
         if self.engine.alive():
             try:
@@ -426,6 +479,10 @@ class ServingCore:
         return [e.to_wire(resident=bool(residency and residency.is_resident(e.name)),
                           refs=residency.refs(e.name) if residency else 0) for e in self.adapters.entries()]
 
+    def _rank_of(self, name: str) -> int:
+        entry = self.adapters.get(name)
+        return entry.rank if entry is not None else 0
+
     def snapshot(self) -> dict[str, object]:
         usage = self.allocator.usage() if self.allocator is not None else None
         sched = self.scheduler
@@ -436,11 +493,15 @@ class ServingCore:
                                              "kv": usage.by_tag.get("kv", 0),
                                              "adapter": usage.by_tag.get("adapter", 0)},
             resident_adapters=sched.adapters.resident_names() if sched else [],
+            cache=sched.adapters.snapshot(rank_of=self._rank_of) if sched else None,
             engine=self.engine.describe(),
             load_mode=self.load_mode,
             cpu_assist=self.cpu.snapshot() if self.cpu is not None else None,
             draining=self.draining,
             preemptions=sched.num_preemptions if sched else 0,
+            scheduler=self.policy,
+            merged_adapter=sched.merged_adapter if sched else None,
+            max_loras_per_batch=self.config.scheduler.max_loras_per_batch,
         )
 
 

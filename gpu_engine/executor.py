@@ -13,6 +13,7 @@ import torch
 from loraplex.daemon.memory.geometry import AdapterLayout, PageGeometry, plan_adapter_layout
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
 from loraplex.gpu_engine.lora.backend import make_lora_backend
+from loraplex.gpu_engine.lora.merge import MergeController
 from loraplex.gpu_engine.adapter_loader import AdapterLoader, GroupLoad
 from loraplex.gpu_engine.lora.torch_backend import LoraGroup, ResidentLora, resident_lora
 from loraplex.gpu_engine.model.config import ModelConfig
@@ -45,6 +46,7 @@ class Executor:
 
             attention = TritonPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
         self.model = LlamaModel(cfg, weights, lora, attention=attention)
+        self.merge = MergeController(weights, lambda name: self.host[name].adapter)  # dLoRA merged mode
         self.host: dict[str, HostEntry] = {}
         self.resident: dict[str, ResidentLora] = {}
         self.loader = AdapterLoader(self.pool, throttle_bytes_per_s=load_throttle_bytes_s)
@@ -59,6 +61,7 @@ class Executor:
         return layout
 
     def remove_host_adapter(self, name: str) -> None:
+        self.merge.forget(name)
         self._drop_resident(name)
         self.host.pop(name, None)
 
@@ -80,12 +83,13 @@ class Executor:
             resident = resident_lora(self.pool, entry.adapter, entry.layout, placement.pages)
             self.resident[placement.name] = resident
             self.loads[placement.name] = self.loader.start(entry.adapter, resident, placement.load_groups)
-        if not plan.rows:  # placements only (preloading)
+        rows = self.merge.prepare(plan)  # merged-mode rows run as base rows: their LoRA is in the weights
+        if not rows:  # placements only (preloading)
             return StepResult(step_id=plan.step_id, rows=[],
                               transfer_bytes={"adapter_h2d": self.loader.started_bytes - loaded_before})
         t0 = time.perf_counter()
         # Rows sorted by adapter make each adapter one contiguous token segment (SGMV-style).
-        ordered = sorted(plan.rows, key=lambda r: (r.adapter is not None, r.adapter or ""))
+        ordered = sorted(rows, key=lambda r: (r.adapter is not None, r.adapter or ""))
         batch = self._build_batch(ordered, plan)
         logits = self.model.forward(batch, self.pool)
         # On CUDA the forward is only enqueued: the watchdog must follow the CPU sites before anything syncs.

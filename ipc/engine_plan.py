@@ -69,6 +69,7 @@ class StepPlan:
     place: list[AdapterPlacement] = field(default_factory=list)
     evict: list[str] = field(default_factory=list)
     cpu: CpuAssistStep | None = None
+    merged_adapter: str | None = None  # dLoRA merged mode: this adapter is folded into the base weights
 
     @property
     def num_tokens(self) -> int:

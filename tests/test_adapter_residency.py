@@ -1,5 +1,7 @@
-"""Adapter residency: referenced adapters stay put, unreferenced ones leave in LRU
-order, and the change list keeps an engine-side mirror of the pool exact."""
+"""Adapter residency under the default policy (lru): referenced adapters stay put,
+unreferenced ones leave in LRU order, and the change list keeps an engine-side mirror
+of the pool exact. Other policies, pins, queues and content identity:
+tests/test_cache_*.py."""
 from __future__ import annotations
 
 import pytest
@@ -84,6 +86,14 @@ class ResidencyMachine(RuleBasedStateMachine):
         self._touch(name)
 
     @rule(name=st.sampled_from(NAMES))
+    def backout(self, name: str) -> None:
+        """An admission undone: the reference goes, recency stays as the acquire left it."""
+        if self.refs[name] == 0:
+            return
+        self.res.release(name, backout=True)
+        self.refs[name] -= 1
+
+    @rule(name=st.sampled_from(NAMES))
     def drop(self, name: str) -> None:
         if self.refs[name]:
             with pytest.raises(ValueError, match="in use"):
@@ -130,6 +140,10 @@ class ResidencyMachine(RuleBasedStateMachine):
 
 ResidencyMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestResidencyStateful = ResidencyMachine.TestCase
+
+
+def test_default_policy_is_lru() -> None:
+    assert AdapterResidency(PageAllocator(4)).policy_name == "lru"
 
 
 def make(num_pages: int) -> tuple[PageAllocator, AdapterResidency]:

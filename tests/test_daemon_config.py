@@ -271,7 +271,8 @@ def test_config_to_dict_is_plain() -> None:
     d = config_to_dict(cfg)
     assert d["server"]["adapter_dirs"] == ["/a"]  # type: ignore[index]
     assert d["adapters"] == {"x": "/x"}
-    assert d["scheduler"] == {"policy": "fcfs", "max_num_seqs": 64, "max_batched_tokens": 2048, "max_loras_per_batch": 64}
+    assert d["scheduler"] == {"policy": "fcfs", "max_num_seqs": 64, "max_batched_tokens": 2048, "max_loras_per_batch": 64,
+                              "ttft_slo_ms": None, "cluster_adapters": False, "cache_policy": "lru"}
 
 
 def test_direct_construction_validates() -> None:

@@ -408,3 +408,38 @@ def test_stalled_cpu_worker_does_not_corrupt_or_hang_prefill(demo, tmp_path):
             except ProcessLookupError:
                 pass
         assert proc.stop() == 0, proc.log()
+
+
+@pytest.mark.parametrize("policy", ["mlq", "dlora"])
+def test_other_schedulers_serve_mixed_adapters_exactly(demo, tmp_path, policy):
+    prompts = _prompts(6, seed=29)
+    adapters = ["qv-r8", "qv-r8", None, "all-r32", "qv-r8", "mlp-r64"]
+    llm = LLM(demo.model_dir, num_pages=600)
+    for name in set(adapters) - {None}:
+        llm.add_adapter(name, demo.adapters[name])
+    expected = llm.generate(prompts, adapters=adapters,
+                            sampling=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    proc = DaemonProcess(tmp_path, "--scheduler", policy).start()
+    try:
+        async def run() -> list:
+            async with AsyncClient(runtime_dir=proc.runtime_dir) as client:
+                return await asyncio.gather(*[
+                    client.generate(p, adapter=a, max_tokens=8, temperature=0.0, ignore_eos=True, timeout=120)
+                    for p, a in zip(prompts, adapters)])
+
+        got = asyncio.run(run())
+        with AdminClient(runtime_dir=proc.runtime_dir) as admin:
+            admin.set_policy("scheduler", "fcfs")  # switch at run time, then keep serving
+            with pytest.raises(LoraplexError) as err:
+                admin.set_policy("scheduler", "nope")
+            assert err.value.code.value == "invalid_field"
+        with proc.client() as client:
+            after = client.generate(prompts[0], adapter=adapters[0], max_tokens=8, temperature=0.0,
+                                    ignore_eos=True, timeout=120)
+            stats = client.stats()
+    finally:
+        assert proc.stop() == 0, proc.log()
+    for exp, g in zip(expected, got):
+        assert g.token_ids == exp.token_ids
+    assert after.token_ids == expected[0].token_ids
+    assert stats["scheduler"] == "fcfs"

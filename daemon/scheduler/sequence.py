@@ -28,6 +28,7 @@ class SeqRequest:
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    ttft_slo_s: float | None = None  # its own time-to-first-token SLO (early abort); None: the scheduler's
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from loraplex.ipc.messages.checks import (
 MAX_COMPLETION_TOKEN_IDS = 1 << 20
 MAX_ERROR_MESSAGE_LEN = 4096
 # How the adapter reached the GPU for this request (DESIGN §3).
-ADAPTER_PATHS = ("base", "cached", "loaded", "cpu_assisted")
+ADAPTER_PATHS = ("base", "cached", "loaded", "cpu_assisted", "merged")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 # Timings present in every `done`; TTFT and time per token only exist once a
 # token was produced, so they are required only then.

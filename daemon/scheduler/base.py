@@ -1,0 +1,400 @@
+"""The iteration-level scheduler every policy shares (torch-free).
+
+Owns the queue, the per-request bookkeeping, the unified pages (KV growth,
+adapter residency, recompute-style preemption when KV runs out), folding step
+results back into sequences, early abort and adapter clustering. A policy only
+decides, once per iteration, which sequences get how many tokens: it
+implements `_plan` with the helpers `_run` (a running sequence) and `_admit`
+(a queued one). Nothing here imports torch or blocks.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import Callable, ClassVar
+from typing import Sequence as Seq
+
+from loraplex.daemon.memory.adapter_residency import AdapterResidency
+from loraplex.daemon.memory.allocator import KV, PageAllocator
+from loraplex.daemon.memory.geometry import PageGeometry
+from loraplex.daemon.scheduler.admission import EarlyAbort, SloAdmission
+from loraplex.daemon.scheduler.config import SchedulerConfig
+from loraplex.daemon.scheduler.estimators import OutputLengthPredictor, StepCostModel
+from loraplex.daemon.scheduler.sequence import SeqRequest, SeqStatus, Sequence
+from loraplex.errors import CapacityError, DuplicateRequestError
+from loraplex.ipc.engine_plan import RowPlan, StepPlan, StepResult
+
+Clock = Callable[[], float]
+
+
+class BaseScheduler(ABC):
+    """Contract: `add` queues a request; `schedule` returns the next StepPlan (None when
+    nothing can run) and must be followed by `apply` with its result (or by
+    `discard_inflight` when the engine failed it) before the next `schedule`;
+    `take_aborted` hands over requests dropped by early abort since the last call."""
+
+    policy: ClassVar[str] = "base"
+
+    def __init__(self, config: SchedulerConfig, geometry: PageGeometry, allocator: PageAllocator,
+                 adapter_pages: Callable[[str], int], eos_token_ids: tuple[int, ...] = (), *,
+                 adapter_rank: Callable[[str], int] | None = None, clock: Clock = time.monotonic) -> None:
+        self.config = config
+        self.geometry = geometry
+        self.allocator = allocator
+        self.adapters = AdapterResidency(allocator, config.cache_policy)
+        self._adapter_pages = adapter_pages
+        # Without ranks, an adapter's page count stands in for its size (it grows with the rank).
+        self._adapter_rank = adapter_rank or adapter_pages
+        self._eos = frozenset(eos_token_ids)
+        self._clock = clock
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+        self._step_ids = itertools.count()
+        self._fed: dict[str, int] = {}  # request id -> tokens fed in the plan in flight
+        self.num_preemptions = 0
+        self._inflight: int | None = None  # step id of the plan whose result is awaited
+        self._scheduled_at = 0.0
+        self.cost = StepCostModel()
+        self.predictor = OutputLengthPredictor()
+        self.admission = SloAdmission(config.ttft_slo_s)
+        self._own_slo = 0  # requests in flight with their own TTFT SLO
+        self._aborted: list[EarlyAbort] = []
+        self._skips: dict[str, int] = {}  # request id -> times passed over by clustering
+        self._passed: tuple[Sequence, list[Sequence]] | None = None  # the last clustering pick, and whom it passed
+        # The plan being built: rows by request id, and the token budget left.
+        self._rows: dict[str, RowPlan] = {}
+        self._budget = 0
+
+    # ---- queue ----------------------------------------------------------------------------
+    def adopt(self, other: BaseScheduler) -> None:
+        """Take over another policy's state between two steps (a run-time policy switch):
+        the same allocator, adapter residency, queue and running sequences."""
+        if other._inflight is not None:
+            raise RuntimeError("a scheduler can only be switched between steps")
+        self.adapters = other.adapters
+        self.waiting, self.running, self._by_id = other.waiting, other.running, other._by_id
+        self._step_ids = other._step_ids
+        self.num_preemptions = other.num_preemptions
+        self._own_slo = other._own_slo
+        for seq in list(self.waiting) + self.running:
+            self._on_add(seq)
+
+    def add(self, req: SeqRequest) -> Sequence:
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.request_id!r} has an empty prompt")
+        if req.request_id in self._by_id:
+            raise DuplicateRequestError(f"request id {req.request_id!r} is already in flight")
+        # The whole prompt is prefilled even past max_model_len, so it bounds the need from below.
+        worst_len = max(len(req.prompt_ids), min(len(req.prompt_ids) + req.max_tokens, self.config.max_model_len))
+        need = self.geometry.kv_pages_for(worst_len)
+        if req.adapter is not None:
+            need += self._adapter_pages(req.adapter)
+        if need > self.allocator.num_pages:
+            raise CapacityError(
+                f"request {req.request_id!r} needs up to {need} pages; the pool has {self.allocator.num_pages}"
+            )
+        if req.ttft_slo_s is not None:
+            if not (math.isfinite(req.ttft_slo_s) and req.ttft_slo_s > 0):
+                raise ValueError(f"request {req.request_id!r}: ttft_slo_s must be a positive number of seconds")
+            self._own_slo += 1
+        seq = Sequence(req=req, arrival=self._clock())
+        self.waiting.append(seq)
+        self._by_id[req.request_id] = seq
+        self._on_add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self._finish(seq, "cancelled")
+        return seq
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def take_aborted(self) -> list[EarlyAbort]:
+        """Requests early abort removed since the last call (already finished here)."""
+        aborted, self._aborted = self._aborted, []
+        return aborted
+
+    @property
+    def merged_adapter(self) -> str | None:
+        """The adapter merged into the base weights for the next plan (dLoRA); None: unmerged."""
+        return None
+
+    def admission_order(self) -> list[Sequence]:
+        """Queued sequences in the order this policy would admit them (for SLO prediction)."""
+        return list(self.waiting)
+
+    def adapter_rank(self, name: str | None) -> int:
+        return 0 if name is None else self._adapter_rank(name)
+
+    # ---- planning ----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        if self._inflight is not None:
+            raise RuntimeError("schedule() called before the previous plan's result was applied")
+        now = self._clock()
+        self._scheduled_at = now
+        if self.admission.default_slo_s is not None or self._own_slo:
+            self._early_abort(now)
+        self._rows = {}
+        self._budget = self.config.max_batched_tokens
+        self.adapters.set_queued(s.req.adapter for s in self.waiting)
+        self._plan(now)
+        if not self._rows:
+            return None
+        if self.config.prefetch:
+            self._prefetch()
+        changes = self.adapters.take_changes()
+        plan = StepPlan(step_id=next(self._step_ids), rows=list(self._rows.values()), place=changes.place,
+                        evict=changes.evict, merged_adapter=self.merged_adapter)
+        self._rows = {}
+        self._inflight = plan.step_id
+        return plan
+
+    def _prefetch(self) -> None:
+        """Place adapters that queued requests will need into free pages, keeping what the head
+        of the queue needs next in reserve (a prefetch never evicts and never delays the head)."""
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        reserve = self.geometry.kv_pages_for(head.num_tokens + 1)
+        if head.req.adapter is not None and not self.adapters.is_resident(head.req.adapter):
+            reserve += self._adapter_pages(head.req.adapter)
+        budget = self.allocator.num_free - reserve
+        if budget <= 0:
+            return
+        wanted = list(dict.fromkeys(s.req.adapter for s in list(self.waiting)[:32] if s.req.adapter is not None))
+        self.adapters.prefetch(wanted, self._adapter_pages, budget, load_groups=self.config.load_groups)
+
+    @abstractmethod
+    def _plan(self, now: float) -> None:
+        """Fill the plan through `_run` and `_admit` while `self._budget` lasts."""
+
+    def placement_plan(self) -> StepPlan | None:
+        """A plan with no rows carrying pending adapter placements (e.g. preloading in cached mode)."""
+        if self._inflight is not None:
+            raise RuntimeError("placement_plan() called while a plan is in flight")
+        changes = self.adapters.take_changes()
+        if not changes.place and not changes.evict:
+            return None
+        return StepPlan(step_id=next(self._step_ids), rows=[], place=changes.place, evict=changes.evict,
+                        merged_adapter=self.merged_adapter)
+
+    def discard_inflight(self) -> None:
+        """The engine failed to run the plan in flight: nothing it planned was computed, so the
+        same tokens are simply planned again (pages and adapter placements stay valid)."""
+        self._inflight = None
+        self._fed.clear()
+
+    def _run(self, seq: Sequence, n: int) -> bool:
+        """Plan `n` more tokens of a running sequence (lengthening its row if it has one in this
+        plan already); may preempt the newest running sequence for KV pages."""
+        if n <= 0 or seq.status is not SeqStatus.RUNNING:
+            return False
+        row = self._rows.pop(seq.request_id, None)
+        if row is not None:
+            self._budget += len(row.token_ids)
+            n += len(row.token_ids)
+        n = min(n, seq.num_uncomputed)
+        if not self._grow_kv(seq, n, allow_preempt=True):
+            return False
+        self._add_row(seq, n)
+        return True
+
+    def planned(self, seq: Sequence) -> int:
+        """Tokens of `seq` in the plan being built."""
+        row = self._rows.get(seq.request_id)
+        return 0 if row is None else len(row.token_ids)
+
+    def _admit(self, seq: Sequence, n: int) -> bool:
+        """Move a queued sequence into the batch with its first `n` tokens; False (and nothing
+        changed) when a seat, the adapter's pages or the KV pages are not there."""
+        if n <= 0 or seq.status is not SeqStatus.WAITING or not self._has_seat(seq):
+            return False
+        adapter = seq.req.adapter
+        if adapter is not None and not self.adapters.acquire(adapter, self._adapter_pages(adapter),
+                                                             self.config.load_groups):
+            return False
+        if not self._grow_kv(seq, n, allow_preempt=False):
+            if adapter is not None:
+                self.adapters.release(adapter, backout=True)
+            return False
+        if self.waiting and self.waiting[0] is seq:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self._skips.pop(seq.request_id, None)
+        if self._passed is not None and self._passed[0] is seq:
+            for skipped in self._passed[1]:
+                self._skips[skipped.request_id] = self._skips.get(skipped.request_id, 0) + 1
+        self._passed = None
+        self._add_row(seq, n)
+        self._on_admit(seq)
+        return True
+
+    def _has_seat(self, seq: Sequence) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        limit = self.config.max_loras_per_batch
+        adapter = seq.req.adapter
+        if limit and adapter is not None:
+            active = {s.req.adapter for s in self.running if s.req.adapter is not None}
+            return adapter in active or len(active) < limit
+        return True
+
+    def _pick(self, candidates: Seq[Sequence]) -> Sequence:
+        """The next candidate to admit: the first, or with adapter clustering the first whose
+        adapter already runs (base-model requests always share), unless one was passed over
+        `cluster_max_skips` times."""
+        if not self.config.cluster_adapters or len(candidates) == 1:
+            return candidates[0]
+        limit = self.config.cluster_max_skips
+        for seq in candidates:
+            if self._skips.get(seq.request_id, 0) >= limit:
+                return seq
+        active = {s.req.adapter for s in self.running}
+        for i, seq in enumerate(candidates):
+            if seq.req.adapter is None or seq.req.adapter in active:
+                self._passed = (seq, list(itertools.islice(candidates, i)))  # counted if `seq` is admitted
+                return seq
+        return candidates[0]
+
+    def _add_row(self, seq: Sequence, n: int) -> None:
+        start = seq.num_computed
+        self._fed[seq.request_id] = n
+        if seq.first_scheduled is None:
+            seq.first_scheduled = self._clock()
+        self._rows[seq.request_id] = RowPlan(
+            request_id=seq.request_id,
+            token_ids=seq.token_slice(start, start + n),
+            start_pos=start,
+            kv_pages=list(seq.kv_pages),
+            adapter=seq.req.adapter,
+            sample=start + n == seq.num_tokens,
+            sampling=seq.req.sampling,
+            sample_index=len(seq.output_ids),
+        )
+        self._budget -= n
+
+    def _grow_kv(self, seq: Sequence, n: int, *, allow_preempt: bool) -> bool:
+        need = self.geometry.kv_pages_for(seq.num_computed + n) - len(seq.kv_pages)
+        while need > 0 and not self.adapters.make_room(need):
+            if not allow_preempt:
+                return False
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.kv_pages += self.allocator.allocate(need, KV)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: drop its KV, send it back to the head of the queue.
+        A row already planned for it in this step is taken back out of the plan."""
+        self.running.remove(seq)
+        self._release(seq)
+        row = self._rows.pop(seq.request_id, None)
+        if row is not None:
+            self._budget += len(row.token_ids)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._fed.pop(seq.request_id, None)
+        self.waiting.appendleft(seq)
+        self._on_preempt(seq)
+
+    def _early_abort(self, now: float) -> None:
+        for seq, abort in self.admission.select(self, now):
+            self.waiting.remove(seq)
+            self._finish(seq, abort.code)
+            self._aborted.append(abort)
+
+    # ---- results ----------------------------------------------------------------------------
+    def apply(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
+        """Fold sampled tokens into the sequences; return those that finished in this step."""
+        if plan.step_id != self._inflight or result.step_id != plan.step_id:
+            raise ValueError(f"result of step {result.step_id} does not match the plan in flight ({self._inflight})")
+        self._inflight = None
+        step_ms = result.forward_ms + result.sample_ms
+        if step_ms <= 0:
+            step_ms = (self._clock() - self._scheduled_at) * 1e3
+        self.cost.observe(plan.num_tokens, step_ms)
+        self._observe(plan, step_ms / 1e3)
+        sampled = {r.request_id: r for r in result.rows}
+        finished: list[Sequence] = []
+        for row in plan.rows:
+            seq = self._by_id.get(row.request_id)
+            fed = self._fed.pop(row.request_id, None)
+            if seq is None or fed is None or seq.status is not SeqStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            seq.num_computed += fed
+            out = sampled.get(row.request_id)
+            if not row.sample or out is None:
+                continue
+            if seq.first_token_at is None:
+                seq.first_token_at = self._clock()
+            seq.output_ids.append(out.token_id)
+            seq.logprobs.append(out.logprob)
+            reason = self._finish_reason(seq, out.token_id)
+            if reason is not None:
+                self.predictor.observe(seq.req.adapter, len(seq.output_ids))
+                self._finish(seq, reason)
+                finished.append(seq)
+        self._fed.clear()
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        req = seq.req
+        if token in req.stop_token_ids or (not req.ignore_eos and token in self._eos):
+            return "stop"
+        if len(seq.output_ids) >= req.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self._release(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self._by_id.pop(seq.request_id, None)
+        self._fed.pop(seq.request_id, None)
+        self._skips.pop(seq.request_id, None)
+        if seq.req.ttft_slo_s is not None:
+            self._own_slo -= 1
+        self._on_finish(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.kv_pages)
+        seq.kv_pages = []
+        if seq.req.adapter is not None:
+            self.adapters.release(seq.req.adapter)
+
+    # ---- policy hooks (no-ops by default) ----------------------------------------------------
+    def _on_add(self, seq: Sequence) -> None:
+        """A request was queued."""
+
+    def _on_admit(self, seq: Sequence) -> None:
+        """A queued request entered the batch."""
+
+    def _on_preempt(self, seq: Sequence) -> None:
+        """A running request went back to the queue (its KV was dropped)."""
+
+    def _on_finish(self, seq: Sequence) -> None:
+        """A request left for good (finished, cancelled or aborted)."""
+
+    def _observe(self, plan: StepPlan, step_s: float) -> None:
+        """The engine ran `plan` in `step_s` seconds."""
+

@@ -1,0 +1,42 @@
+"""Settings shared by every scheduling policy (torch-free).
+
+Batch limits, the optional TTFT SLO that turns on early abort, and the
+adapter-clustering option. Policy-specific knobs live beside their policy
+(MlqConfig in mlq.py, DloraConfig in dlora.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    load_groups: int = 1  # layer groups a cold adapter is loaded in (1: all before use)
+    # Most distinct adapters among running sequences; 0: no limit (checked when admitting).
+    max_loras_per_batch: int = 0
+    # S-LoRA §4.3 early abort: a queued request whose predicted time to first token exceeds
+    # this many seconds is aborted (see admission.py). None: off, except for requests that
+    # bring their own SeqRequest.ttft_slo_s.
+    ttft_slo_s: float | None = None
+    # S-LoRA §4.2 adapter clustering: admit requests whose adapter already runs first.
+    cluster_adapters: bool = False
+    # A request passed over this many times by clustering is admitted next regardless.
+    cluster_max_skips: int = 32
+    # GPU adapter cache eviction policy (daemon/cache/policies.py): none, lru, fifo or cost.
+    cache_policy: str = "lru"
+    # Prefetch adapters of queued requests into free pages (never evicting for it).
+    prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        if min(self.max_num_seqs, self.max_batched_tokens, self.max_model_len, self.load_groups) <= 0:
+            raise ValueError("scheduler limits must be positive")
+        if self.max_loras_per_batch < 0:
+            raise ValueError("max_loras_per_batch must be >= 0 (0: no limit)")
+        if self.ttft_slo_s is not None and not (math.isfinite(self.ttft_slo_s) and self.ttft_slo_s > 0):
+            raise ValueError(f"ttft_slo_s must be a positive number of seconds, got {self.ttft_slo_s!r}")
+        if self.cluster_max_skips <= 0:
+            raise ValueError("cluster_max_skips must be positive")

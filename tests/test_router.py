@@ -1,0 +1,171 @@
+"""Routers over engine snapshots: Toppings rank-aware (Fig. 6), the profile file, the
+baselines, and dLoRA proactive dispatch and co-migration."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loraplex.daemon.router import (
+    ROUTERS, DloraRouter, EngineRequest, EngineState, KernelCost, NoEngineError, PerfProfile, RequestInfo,
+    make_router, pending_s,
+)
+
+
+def _fig6() -> list[EngineState]:
+    one = EngineState(0, running=tuple(EngineRequest(f"a{i}", f"lora{i % 3}", 32) for i in range(24)))
+    two = EngineState(1, running=tuple(EngineRequest(f"b{i}", f"big{i % 2}", 64) for i in range(16)))
+    return [one, two]
+
+
+def test_toppings_fig6_rank64_request_goes_by_kernel() -> None:
+    engines = _fig6()
+    new = RequestInfo("new", "fresh", rank=64)
+    bgmv = make_router("rank_aware", kernel="bgmv", slo_ms=36.0)
+    mbgmv = make_router("rank_aware", kernel="mbgmv", slo_ms=36.0)
+    # BGMV pads to the batch's max rank: 25·64 on instance 1 vs 17·64 on instance 2.
+    assert [round(bgmv.predicted_ms(new, e), 2) for e in engines] == [40.0, 28.48]
+    assert bgmv.choose(new, engines) == 1  # instance 2 in the paper's numbering
+    # MBGMV sums ranks: 24·32 + 64 vs 16·64 + 64; the same increase on both, instance 2 breaks the SLO.
+    assert [round(mbgmv.predicted_ms(new, e), 2) for e in engines] == [28.96, 36.64]
+    assert mbgmv.choose(new, engines) == 0  # instance 1
+    # Without the SLO in play MBGMV has a tie on the increase and takes the faster batch.
+    assert make_router("rank_aware", kernel="mbgmv", slo_ms=100.0).choose(new, engines) == 0
+    assert make_router("rank_aware", kernel="bgmv", slo_ms=100.0).choose(new, engines) == 1
+
+
+def test_rank_aware_prefers_the_batch_whose_padding_is_already_paid() -> None:
+    small = EngineState(0, running=(EngineRequest("s", "x", 8),))
+    padded = EngineState(1, running=tuple(EngineRequest(f"p{i}", "y", 64) for i in range(4)))
+    router = make_router("rank_aware", kernel="bgmv", slo_ms=1e9)
+    assert router.choose(RequestInfo("r", "z", rank=64), [small, padded]) == 1  # +64α vs +120α
+    assert router.choose(RequestInfo("r", "z", rank=8), [small, padded]) == 0
+    assert router.choose(RequestInfo("base", None), [padded, small]) == 1  # no LoRA cost: the faster batch
+
+
+def test_profile_file_round_trip_and_validation(tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    profile = PerfProfile(bgmv=KernelCost(0.01, 2.0), mbgmv=KernelCost(0.02, 3.0))
+    profile.save(path)
+    assert json.loads(path.read_text()) == {"bgmv": {"alpha": 0.01, "beta": 2.0}, "mbgmv": {"alpha": 0.02, "beta": 3.0}}
+    assert PerfProfile.load(path) == profile
+    assert profile.step_ms("bgmv", [8, 64]) == 0.01 * 2 * 64 + 2.0
+    assert profile.step_ms("mbgmv", [8, 64]) == 0.02 * 72 + 3.0
+    path.write_text('{"mbgmv": {"alpha": 0.5, "beta": 1}}')
+    assert PerfProfile.load(path) == PerfProfile(mbgmv=KernelCost(0.5, 1.0))  # bgmv keeps its default
+    for bad in ('{"sgmv": {"alpha": 1, "beta": 1}}', '{"bgmv": {"alpha": 1}}', '{"bgmv": {"alpha": -1, "beta": 0}}',
+                '{"bgmv": {"alpha": "1", "beta": 0}}', "[1]", "{not json"):
+        path.write_text(bad)
+        with pytest.raises(ValueError):
+            PerfProfile.load(path)
+    with pytest.raises(ValueError):
+        make_router("rank_aware", kernel="sgmv")
+
+
+def test_baseline_routers() -> None:
+    busy = EngineState(0, running=tuple(EngineRequest(f"r{i}", None, remaining_tokens=100) for i in range(4)),
+                       max_num_seqs=4)
+    idle = EngineState(1, running=(EngineRequest("x", None, remaining_tokens=10),), max_num_seqs=4)
+    dead = EngineState(2, healthy=False)
+    new = RequestInfo("n", None, prompt_len=10, max_tokens=10)
+    assert make_router("first_fit").choose(new, [busy, idle, dead]) == 1  # busy has no free seat
+    assert make_router("first_fit").choose(new, [idle, busy]) == 0
+    assert make_router("most_idle").choose(new, [busy, dead, idle]) == 2
+    picks = {make_router("random", seed=s).choose(new, [dead, busy, idle]) for s in range(20)}
+    assert picks == {1, 2}
+    router = make_router("random", seed=7)
+    assert [router.choose(new, [busy, idle]) for _ in range(5)] == \
+        [r.choose(new, [busy, idle]) for r in [make_router("random", seed=7)] for _ in range(5)]
+    for name in ROUTERS:
+        with pytest.raises(NoEngineError):
+            make_router(name).choose(new, [dead])
+        assert make_router(name).rebalance([busy, idle]) == [] or name == "dlora"
+    with pytest.raises(ValueError, match="unknown router"):
+        make_router("round_robin")
+
+
+def test_dlora_dispatch_counts_the_adapter_load() -> None:
+    link = 1e9  # bytes/s
+    holder = EngineState(0, waiting=(EngineRequest("q", None, remaining_tokens=200),), tokens_per_s=1000,
+                         resident_adapters=frozenset({"ada"}), load_bytes_per_s=link)
+    empty = EngineState(1, tokens_per_s=1000, load_bytes_per_s=link)
+    small = RequestInfo("r", "ada", prompt_len=50, max_tokens=50, adapter_bytes=int(0.1 * link))
+    big = RequestInfo("r", "ada", prompt_len=50, max_tokens=50, adapter_bytes=int(0.3 * link))
+    router = make_router("dlora")
+    assert router.finish_s(small, empty) == pytest.approx(0.1 + 0.1)
+    assert router.finish_s(small, holder) == pytest.approx(0.2 + 0.1)
+    assert router.choose(small, [holder, empty]) == 1  # 0.2 s with a 0.1 s load beats 0.3 s of queue
+    assert router.choose(big, [holder, empty]) == 0  # a 0.3 s load does not
+
+
+def test_dlora_rebalance_moves_queued_requests_with_their_adapter() -> None:
+    hot = EngineState(0, running=(EngineRequest("run", "ada", remaining_tokens=50),),
+                      waiting=tuple(EngineRequest(f"a{i}", "ada", remaining_tokens=100, adapter_bytes=10**6)
+                                    for i in range(6))
+                      + tuple(EngineRequest(f"b{i}", "bob", remaining_tokens=100, adapter_bytes=10**6)
+                              for i in range(2)),
+                      resident_adapters=frozenset({"ada", "bob"}), tokens_per_s=1000, load_bytes_per_s=1e9)
+    cold = EngineState(1, resident_adapters=frozenset({"bob"}), tokens_per_s=1000, load_bytes_per_s=1e9)
+    moves = DloraRouter(imbalance=0.1).rebalance([hot, cold])
+    assert moves, "an 850-token vs 0-token imbalance must move something"
+    moved = [rid for m in moves for rid in m.request_ids]
+    assert "run" not in moved and len(moved) == len(set(moved))
+    for m in moves:
+        assert (m.source, m.target) == (0, 1)
+        assert m.load_adapter == (m.adapter == "ada") or m.adapter == "bob" and not m.load_adapter
+    after_hot = pending_s(hot) - sum(m.moved_tokens for m in moves) / 1000
+    assert abs(after_hot - sum(m.moved_tokens for m in moves) / 1000) < pending_s(hot) / 4
+    balanced = [EngineState(i, waiting=(EngineRequest(f"r{i}", "x", remaining_tokens=100),)) for i in range(3)]
+    assert DloraRouter().rebalance(balanced) == []
+
+
+@st.composite
+def clusters(draw):
+    engines = []
+    for e in range(draw(st.integers(1, 4))):
+        waiting = tuple(EngineRequest(f"e{e}w{i}", draw(st.sampled_from([None, "a", "b", "c"])),
+                                      remaining_tokens=draw(st.integers(1, 400)),
+                                      adapter_bytes=draw(st.integers(0, 10**6)))
+                        for i in range(draw(st.integers(0, 8))))
+        running = tuple(EngineRequest(f"e{e}r{i}", "a", remaining_tokens=draw(st.integers(1, 400)))
+                        for i in range(draw(st.integers(0, 3))))
+        engines.append(EngineState(e, running=running, waiting=waiting,
+                                   resident_adapters=frozenset(draw(st.sets(st.sampled_from(["a", "b", "c"])))),
+                                   tokens_per_s=draw(st.sampled_from([500.0, 1000.0, 2000.0])),
+                                   load_bytes_per_s=draw(st.sampled_from([0.0, 1e7, 1e9])),
+                                   healthy=draw(st.booleans()) or e == 0))
+    return engines
+
+
+@settings(max_examples=150, deadline=None)
+@given(clusters(), st.floats(0, 1))
+def test_dlora_rebalance_is_sound(engines, imbalance) -> None:
+    moves = DloraRouter(imbalance=imbalance).rebalance(engines)
+    seen: set[str] = set()
+    for m in moves:
+        src = engines[m.source]
+        queued = {r.request_id: r for r in src.waiting}
+        assert m.source != m.target and engines[m.source].healthy and engines[m.target].healthy
+        assert set(m.request_ids) <= set(queued), "only queued requests of the source move"
+        assert all(queued[rid].adapter == m.adapter for rid in m.request_ids)
+        assert not seen & set(m.request_ids)
+        seen |= set(m.request_ids)
+        assert m.moved_tokens == sum(queued[rid].remaining_tokens for rid in m.request_ids)
+    # Carried out, the migrations leave the busiest engine no busier than before.
+    out = {rid for m in moves for rid in m.request_ids}
+    after = []
+    for i, e in enumerate(engines):
+        if not e.healthy:
+            after.append(0.0)
+            continue
+        moved_in = tuple(r for m in moves if m.target == i for r in engines[m.source].waiting
+                         if r.request_id in m.request_ids)
+        waiting = tuple(r for r in e.waiting if r.request_id not in out) + moved_in
+        after.append(pending_s(dataclasses.replace(e, waiting=waiting)))
+    before = max(pending_s(e) for e in engines if e.healthy)
+    assert max(after) <= before + 1e-9
+    if moves:
+        assert after[moves[0].source] < pending_s(engines[moves[0].source])
