@@ -443,3 +443,67 @@ def test_other_schedulers_serve_mixed_adapters_exactly(demo, tmp_path, policy):
         assert g.token_ids == exp.token_ids
     assert after.token_ids == expected[0].token_ids
     assert stats["scheduler"] == "fcfs"
+
+
+def test_cache_hits_reload_by_name_and_eviction_under_kv_pressure(daemon, demo, tmp_path):
+    import shutil
+
+    from loraplex.gpu_engine.demo import write_random_adapter
+
+    prompt = [11, 12, 13, 14]
+    with daemon.client() as client:
+        first = client.generate(prompt, adapter="rslora-r16", max_tokens=4, temperature=0.0, ignore_eos=True,
+                                timeout=60)
+        second = client.generate(prompt, adapter="rslora-r16", max_tokens=4, temperature=0.0, ignore_eos=True,
+                                 timeout=60)
+        assert first.token_ids == second.token_ids
+        assert second.timings["adapter_path"] == "cached"  # a second request causes no load
+        cache = client.stats()["cache"]
+        assert cache["hits"] >= 1 and cache["policy"] == "lru"
+    # Reload under the same name with new weights: the new weights are served, never a stale copy.
+    import json
+
+    config = json.loads((demo.model_dir / "config.json").read_text())
+    new_dir = tmp_path / "reloaded"
+    write_random_adapter(new_dir, config, rank=16, alpha=16, target_modules=["q_proj", "v_proj", "o_proj"],
+                         seed=999, use_rslora=True)
+    with AdminClient(runtime_dir=daemon.runtime_dir) as admin:
+        admin.add_adapter("swap", str(demo.adapters["rslora-r16"]))
+    with daemon.client() as client:
+        old = client.generate(prompt, adapter="swap", max_tokens=6, temperature=0.0, ignore_eos=True, timeout=60)
+    with AdminClient(runtime_dir=daemon.runtime_dir) as admin:
+        admin.remove_adapter("swap")
+        admin.add_adapter("swap", str(new_dir))
+    with daemon.client() as client:
+        new = client.generate(prompt, adapter="swap", max_tokens=6, temperature=0.0, ignore_eos=True, timeout=60)
+    llm = LLM(demo.model_dir, num_pages=200)
+    llm.add_adapter("swap", new_dir)
+    expected = llm.generate([prompt], adapters=["swap"],
+                            sampling=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert new.token_ids == expected.token_ids and new.token_ids != old.token_ids
+    with AdminClient(runtime_dir=daemon.runtime_dir) as admin:
+        admin.remove_adapter("swap")
+    shutil.rmtree(new_dir)
+
+
+def test_eviction_under_kv_pressure_keeps_outputs_correct(demo, tmp_path):
+    # A pool barely larger than one adapter plus one request: adapters must be evicted for KV and reloaded.
+    names = ["all-r32", "mlp-r64", "attn-r16", "all-r32", "mlp-r64"]
+    prompts = _prompts(len(names), seed=31)
+    llm = LLM(demo.model_dir, num_pages=600)
+    for name in set(names):
+        llm.add_adapter(name, demo.adapters[name])
+    expected = llm.generate(prompts, adapters=names,
+                            sampling=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    proc = DaemonProcess(tmp_path, "--cache-policy", "cost")
+    proc.args = ["--num-pages", "70", "--max-num-seqs", "4", "--cache-policy", "cost"]
+    proc.start()
+    try:
+        with proc.client() as client:
+            got = [client.generate(p, adapter=a, max_tokens=8, temperature=0.0, ignore_eos=True, timeout=120)
+                   for p, a in zip(prompts, names)]
+            stats = client.stats()
+    finally:
+        assert proc.stop() == 0, proc.log()
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    assert stats["cache"]["policy"] == "cost" and stats["cache"]["evictions"] >= 1
