@@ -18,6 +18,7 @@ import zmq.asyncio
 from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
 from loraplex.daemon.registry import AdapterRegistry, RegistryError, check_adapter_path
+from loraplex.daemon.sdnotify import Notifier
 from loraplex.daemon.server import Dispatcher, Listener, publish_stats
 from loraplex.daemon.serving import ServingCore
 from loraplex.ipc.codec import DecodeLimits
@@ -103,9 +104,12 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, request_stop)
+    notifier = Notifier()
     tasks: list[asyncio.Task] = []
     try:
         log.info("starting the engine (model: %s)", config.model.model or "built-in demo")
+        notifier.status("loading the model")
+        notifier.extend_timeout(config.server.engine_start_timeout_s + 30)
         try:
             await core.start([(r.name, r.path, r.pinned) for r in registry.list()])
         except (EngineDied, EngineRefused) as exc:
@@ -113,21 +117,25 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
             return 1
         tasks = [asyncio.create_task(dispatcher.serve(lst), name=f"listener-{lst.tag}") for lst in listeners]
         tasks.append(asyncio.create_task(publish_stats(core, pub, config.server.stats_interval_s), name="stats"))
+        tasks.append(asyncio.create_task(notifier.watchdog(lambda: core.engine.alive()), name="watchdog"))
         log.info("serving on %s (admin %s, stats %s)%s", eps.client, eps.admin, eps.stats,
                  f", {config.server.tcp_listen}" if config.server.tcp_listen else "")
         names = [e.name for e in core.adapters.entries() if e.state == "ready"]
         log.info("ready: %d adapters (%s). Try: loraplex generate --stream --adapter %s 'Once upon a time'",
                  len(names), ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""), names[0] if names else "NAME")
+        notifier.ready(f"serving {len(names)} adapters on {eps.client}")
         if ready is not None:
             ready.set()
         await stop.wait()
         log.info("stopping: draining in-flight requests (up to %.0f s)", drain_budget[0])
+        notifier.stopping(f"draining {len(core.requests)} requests")
         if not await core.drain(drain_budget[0]):
             log.warning("drain timed out; failing the remaining requests")
         return 0
     finally:
         # The signal handlers stay installed: a second SIGTERM while draining must not kill us mid-cleanup.
         await core.stop()
+        notifier.close()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

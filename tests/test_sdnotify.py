@@ -1,0 +1,77 @@
+"""systemd integration: the daemon reports READY, STATUS, WATCHDOG and STOPPING on
+$NOTIFY_SOCKET, and its children do not inherit the socket."""
+from __future__ import annotations
+
+import socket
+import time
+
+from loraplex.daemon.sdnotify import Notifier
+from tests.daemon_process import DaemonProcess
+
+
+def _listen(path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.settimeout(0.2)
+    return sock
+
+
+def _drain(sock: socket.socket, until: float) -> list[str]:
+    seen: list[str] = []
+    while time.monotonic() < until:
+        try:
+            seen += sock.recv(4096).decode().split("\n")
+        except socket.timeout:
+            continue
+    return seen
+
+
+def test_notifier_is_a_no_op_without_systemd():
+    notifier = Notifier(env={})
+    assert not notifier.enabled and notifier.watchdog_s is None
+    assert notifier.notify("READY=1") is False
+
+
+def test_notifier_watchdog_only_for_our_pid(tmp_path):
+    env = {"NOTIFY_SOCKET": str(tmp_path / "n.sock"), "WATCHDOG_USEC": "2000000", "WATCHDOG_PID": "1"}
+    assert Notifier(env=env).watchdog_s is None
+    env["WATCHDOG_PID"] = ""
+    assert Notifier(env=env).watchdog_s == 2.0
+
+
+def test_daemon_notifies_systemd(demo, tmp_path):
+    listener = _listen(tmp_path / "notify.sock")
+    proc = DaemonProcess(tmp_path, env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "400000"})
+    try:
+        proc.start()
+        seen = _drain(listener, time.monotonic() + 1.5)
+        assert "READY=1" in seen
+        assert any(s.startswith("STATUS=serving") for s in seen)
+        assert any(s.startswith("EXTEND_TIMEOUT_USEC=") for s in seen)
+        assert seen.count("WATCHDOG=1") >= 2
+        with proc.client() as client:
+            engine_pid = client.stats()["engine"]["pid"]
+        with open(f"/proc/{engine_pid}/environ", "rb") as f:
+            assert b"NOTIFY_SOCKET" not in f.read(), "the engine inherited NOTIFY_SOCKET"
+    finally:
+        assert proc.stop() == 0, proc.log()
+        seen = _drain(listener, time.monotonic() + 0.5)
+        listener.close()
+    assert "STOPPING=1" in seen
+
+
+def test_deploy_files_are_consistent():
+    from pathlib import Path
+
+    from loraplex.daemon.config import example_toml, load_config
+
+    root = Path(__file__).resolve().parent.parent / "deploy"
+    assert (root / "loraplex.toml").read_text() == example_toml() + "\n"
+    load_config(root / "loraplex.toml", env={})
+    unit = (root / "loraplex.service").read_text()
+    for line in ("Type=notify", "NotifyAccess=main", "KillMode=mixed", "NoNewPrivileges=yes", "ProtectSystem=strict",
+                 "RuntimeDirectory=loraplex", "StateDirectory=loraplex", "CacheDirectory=loraplex",
+                 "ReadWritePaths=/dev/shm", "CapabilityBoundingSet="):
+        assert line in unit.splitlines(), line
+    stop = int(next(l for l in unit.splitlines() if l.startswith("TimeoutStopSec=")).split("=")[1])
+    assert stop >= load_config(None, env={}).server.drain_timeout_s
