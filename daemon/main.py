@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import time
 import sys
 from typing import Callable
 
@@ -38,7 +39,8 @@ def register_startup_adapters(config: LoraplexConfig, registry: AdapterRegistry)
 
 
 async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = None,
-                     engine_factory: Callable[..., EngineLink] = EngineLink) -> int:
+                     engine_factory: Callable[..., EngineLink] = EngineLink,
+                     reload_config: Callable[[], LoraplexConfig] | None = None) -> int:
     """Serve until stopped. `engine_factory` is EngineLink's signature; tests and the
     overhead benchmark inject a stub there to measure the control plane alone."""
     runtime_dir = ensure_runtime_dir(config.server.resolved_runtime_dir)
@@ -71,7 +73,7 @@ async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = No
         swept = sweep_stale()
         if swept:
             log.info("removed %d stale shared-memory segments of dead daemons", len(swept))
-        return await _serve(config, registry, listeners, pub, engine, eps, ready, ctx, runtime_dir)
+        return await _serve(config, registry, listeners, pub, engine, eps, ready, ctx, runtime_dir, reload_config)
     finally:
         for sock in sockets:
             sock.close()
@@ -82,7 +84,8 @@ async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = No
 
 
 async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: list[Listener], pub,
-                 engine: EngineLink, eps, ready: asyncio.Event | None, engine_ctx, runtime_dir) -> int:
+                 engine: EngineLink, eps, ready: asyncio.Event | None, engine_ctx, runtime_dir,
+                 reload_config: Callable[[], LoraplexConfig] | None = None) -> int:
     stop = asyncio.Event()
     drain_budget = [config.server.drain_timeout_s]
 
@@ -105,6 +108,13 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, request_stop)
     notifier = Notifier()
+    reloading: list[asyncio.Task] = []
+
+    def request_reload() -> None:
+        if not reloading or reloading[-1].done():
+            reloading.append(asyncio.ensure_future(reload(core, registry, notifier, reload_config)))
+
+    loop.add_signal_handler(signal.SIGHUP, request_reload)
     tasks: list[asyncio.Task] = []
     try:
         log.info("starting the engine (model: %s)", config.model.model or "built-in demo")
@@ -141,7 +151,39 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def serve(config: LoraplexConfig) -> int:
+async def reload(core: ServingCore, registry: AdapterRegistry, notifier: Notifier,
+                 reload_config: Callable[[], LoraplexConfig] | None) -> None:
+    """SIGHUP: re-read the config and the registry without dropping requests (systemd RELOADING=1).
+    Live-changeable: scheduler and cache policies, and the set of registered adapters."""
+    notifier.notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+    try:
+        if reload_config is not None:
+            fresh = reload_config()
+            register_startup_adapters(fresh, registry)
+            core.set_policy(fresh.scheduler.policy)
+            core.set_cache_policy(fresh.scheduler.cache_policy)
+        demo = set(core.hello.demo_adapters) if core.hello else set()
+        records = {r.name: r for r in registry.list()}
+        for name, record in records.items():
+            if name not in core.adapters:
+                try:
+                    await core.add_adapter(name, record.path, record.pinned)
+                except Exception as exc:  # one bad entry must not stop the reload
+                    log.warning("reload: adapter %s not added: %s", name, exc)
+        for entry in core.adapters.entries():
+            if entry.name not in records and entry.name not in demo:
+                try:
+                    await core.remove_adapter(entry.name)
+                except Exception as exc:  # in use: it stays until a later reload
+                    log.warning("reload: adapter %s not removed: %s", entry.name, exc)
+        log.info("reloaded: %d adapters", len(core.adapters.entries()))
+    except Exception as exc:
+        log.error("reload failed, keeping the previous configuration: %s", exc)
+    finally:
+        notifier.ready(f"serving {len(core.adapters.entries())} adapters (reloaded)")
+
+
+def serve(config: LoraplexConfig, reload_config: Callable[[], LoraplexConfig] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="loraplexd %(levelname)s %(message)s", stream=sys.stderr)
     try:
         import uvloop
@@ -149,4 +191,4 @@ def serve(config: LoraplexConfig) -> int:
         runner = uvloop.run
     except ImportError:  # uvloop is a dependency; this only keeps odd platforms working
         runner = asyncio.run
-    return runner(run_daemon(config))
+    return runner(run_daemon(config, reload_config=reload_config))

@@ -135,7 +135,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as exc:
         print(f"loraplex serve: error: {exc}", file=sys.stderr)
         return 2
-    return serve(config)
+    return serve(config, reload_config=lambda: load_config(args.config, overrides=overrides))
 
 
 def _runtime_dir_arg(parser: argparse.ArgumentParser) -> None:

@@ -75,3 +75,37 @@ def test_deploy_files_are_consistent():
         assert line in unit.splitlines(), line
     stop = int(next(l for l in unit.splitlines() if l.startswith("TimeoutStopSec=")).split("=")[1])
     assert stop >= load_config(None, env={}).server.drain_timeout_s
+
+
+def test_sighup_rereads_the_registry_without_dropping_requests(demo, tmp_path):
+    import signal
+    import threading
+
+    from loraplex.daemon.registry import AdapterRegistry
+
+    listener = _listen(tmp_path / "notify.sock")
+    proc = DaemonProcess(tmp_path, env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock")})
+    try:
+        proc.start()
+        results: list = []
+        with proc.client() as client:
+            worker = threading.Thread(target=lambda: results.append(client.generate(
+                [3, 4, 5], max_tokens=60, temperature=0.0, ignore_eos=True, timeout=120)))
+            worker.start()
+            with AdapterRegistry(proc.state_dir / "registry.sqlite3") as registry:
+                registry.add("hup", str(demo.adapters["kdown-r8"]), source="cli")
+            proc.proc.send_signal(signal.SIGHUP)
+            worker.join(120)
+            deadline = time.monotonic() + 30
+            while "hup" not in {a.name for a in client.adapters()}:
+                assert time.monotonic() < deadline, "SIGHUP did not pick up the new registry entry"
+                time.sleep(0.1)
+            out = client.generate([3, 4, 5], adapter="hup", max_tokens=3, temperature=0.0, ignore_eos=True,
+                                  timeout=60)
+        assert results and len(results[0].token_ids) == 60 and results[0].finish_reason == "length"
+        assert len(out.token_ids) == 3
+        seen = _drain(listener, time.monotonic() + 0.5)
+        assert "RELOADING=1" in seen and any(s.startswith("STATUS=serving") and "reloaded" in s for s in seen)
+    finally:
+        assert proc.stop() == 0, proc.log()
+        listener.close()
