@@ -221,6 +221,8 @@ class ServerSettings(_Section):
         "Adapter paths must lie under one of these directories; empty = anywhere."))
     cpu_workers: int | None = field(default=None, metadata=_help(
         "CPU LoRA worker processes (cpu_assist); unset = the spare cores, at least 2.", "4"))
+    max_requests_per_client: int = field(default=1024, metadata=_help(
+        "Most requests one client connection may have in flight; more get a fast `overloaded` reply."))
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -243,6 +245,7 @@ class ServerSettings(_Section):
             )
         self._positive("max_clients_inflight")
         self._positive("cpu_workers", optional=True)
+        self._positive("max_requests_per_client")
         if any(not d for d in self.adapter_dirs):
             raise ConfigError("server.adapter_dirs must not contain empty paths", "server.adapter_dirs")
 

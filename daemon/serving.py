@@ -80,6 +80,7 @@ class ServingCore:
         self._work = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._per_client: dict[bytes, int] = {}  # identity -> requests in flight
         self._loop_task: asyncio.Task | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -221,6 +222,10 @@ class ServingCore:
         if len(self.requests) >= self.config.server.max_clients_inflight:
             raise Rejected(ErrorCode.OVERLOADED, f"{len(self.requests)} requests in flight; try again later")
         key = _key(identity, msg.request_id)
+        per_client = self._per_client.get(identity, 0)
+        if per_client >= self.config.server.max_requests_per_client:
+            raise Rejected(ErrorCode.OVERLOADED,
+                           f"this client already has {per_client} requests in flight (server.max_requests_per_client)")
         if key in self.requests:
             raise Rejected(ErrorCode.DUPLICATE_REQUEST, f"request id {msg.request_id!r} is already in flight")
         if msg.adapter is not None:
@@ -245,11 +250,13 @@ class ServingCore:
             ttft_slo_s=None if msg.slo_ttft_ms is None else msg.slo_ttft_ms / 1e3,
         )
         self.requests[key] = state
+        self._per_client[identity] = per_client + 1
         self._idle.clear()
         try:
             self._enqueue(seq)
         except CapacityError as exc:
             del self.requests[key]
+            self._client_done(identity)
             self._check_idle()
             raise Rejected(ErrorCode.TOO_LARGE, str(exc)) from None
         self.stats.accepted(msg.adapter)
@@ -299,6 +306,7 @@ class ServingCore:
             self._abort(key)
             self.requests.pop(key, None)
             self.stats.cancelled += 1
+        self._per_client.pop(identity, None)
         self._check_idle()
 
     def _deadline(self, key: str) -> None:
@@ -381,10 +389,18 @@ class ServingCore:
                 await self._finish(key, reason or "stop", stopped_by_string=reason == "stop")
         self.stats.tokens += len(reply.result.rows)
 
+    def _client_done(self, identity: bytes) -> None:
+        left = self._per_client.get(identity, 0) - 1
+        if left > 0:
+            self._per_client[identity] = left
+        else:
+            self._per_client.pop(identity, None)
+
     async def _finish(self, key: str, reason: str, *, stopped_by_string: bool = False) -> None:
         state = self.requests.pop(key, None)
         if state is None:
             return
+        self._client_done(state.identity)
         self._abort(key)
         tail = state.finish_text(stopped=stopped_by_string and state.stops is not None and reason == "stop")
         if state.msg.stream and tail:
@@ -399,6 +415,7 @@ class ServingCore:
         state = self.requests.pop(key, None)
         if state is None:
             return
+        self._client_done(state.identity)
         self._abort(key)
         self.stats.errors += 1
         await self._send(state.identity, ErrorReply(request_id=state.request_id, code=code.value, message=message))

@@ -507,3 +507,22 @@ def test_eviction_under_kv_pressure_keeps_outputs_correct(demo, tmp_path):
         assert proc.stop() == 0, proc.log()
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
     assert stats["cache"]["policy"] == "cost" and stats["cache"]["evictions"] >= 1
+
+
+def test_per_client_limit_gets_a_fast_busy_reply(demo, tmp_path):
+    proc = DaemonProcess(tmp_path, env={"LORAPLEX_SERVER_MAX_REQUESTS_PER_CLIENT": "2"}).start()
+    try:
+        async def run():
+            async with AsyncClient(runtime_dir=proc.runtime_dir) as client:
+                return await asyncio.gather(*[
+                    client.generate([5, 6, 7], max_tokens=30, temperature=0.0, ignore_eos=True, timeout=60)
+                    for _ in range(5)], return_exceptions=True)
+
+        results = asyncio.run(run())
+        busy = [r for r in results if isinstance(r, LoraplexError)]
+        served = [r for r in results if not isinstance(r, Exception)]
+        assert len(served) >= 2 and busy and all(e.code.value == "overloaded" for e in busy)
+        with proc.client() as client:  # the slots come back when requests finish
+            assert len(client.generate([5, 6], max_tokens=2, timeout=60).token_ids) == 2
+    finally:
+        assert proc.stop() == 0, proc.log()
