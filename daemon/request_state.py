@@ -30,6 +30,7 @@ class ClientRequest:
     first_token_at: float | None = None
     last_token_at: float | None = None
     first_step_engine_ms: float | None = None  # engine compute of the step that produced the first token
+    engine_retries: int = 0  # times this request was recomputed after its engine died
 
     @property
     def request_id(self) -> str:

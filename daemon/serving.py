@@ -45,6 +45,7 @@ from loraplex.ipc.protocol import (
 log = logging.getLogger("loraplex.daemon")
 Send = Callable[[bytes, Message], Awaitable[None]]
 MAX_STEP_FAILURES = 3
+MAX_ENGINE_RETRIES = 2
 
 
 class Rejected(Exception):
@@ -77,6 +78,7 @@ class ServingCore:
         self.tokenizer = None
         self.draining = False
         self._pending: list[SeqRequest] = []  # accepted while the engine (re)starts
+        self._carried: list = []  # Sequences of a dead engine awaiting recompute
         self._work = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -111,6 +113,10 @@ class ServingCore:
             await self._start_cpu_assist(hello)
         if self.load_mode == "cached":
             await self._preload_all()
+        carried, self._carried = self._carried, []
+        for seq in carried:  # requests of a dead engine, recomputed from prompt + tokens so far
+            if seq.request_id in self.requests:
+                self.scheduler.requeue(seq)
         pending, self._pending = self._pending, []
         for req in pending:
             self._enqueue(req)
@@ -425,6 +431,7 @@ class ServingCore:
         if self.scheduler is not None:
             self.scheduler.abort(key)
         self._pending = [p for p in self._pending if p.request_id != key]
+        self._carried = [s for s in self._carried if s.request_id != key]
 
     async def _send(self, identity: bytes, msg: Message) -> None:
         try:
@@ -438,15 +445,23 @@ class ServingCore:
 
     # ---- engine failure -----------------------------------------------------------------------
     async def _engine_lost(self, reason: str) -> None:
-        """Fail what the dead engine was computing, keep what had not started, restart it."""
+        """Restart a dead engine; its requests are recomputed from their prompt and the tokens
+        already streamed (up to MAX_ENGINE_RETRIES times each), so nothing is lost or repeated."""
         log.error("engine lost: %s", reason)
         self.stats.engine_restarts += 1
         sched, self.scheduler = self.scheduler, None
         if sched is not None:
-            for seq in list(sched.running):
-                await self._fail(seq.request_id, ErrorCode.ENGINE_FAILED,
-                                 f"the engine process failed while running this request ({reason}); retry it")
-            self._pending = [s.req for s in sched.waiting if s.request_id in self.requests] + self._pending
+            for seq in list(sched.running) + list(sched.waiting):
+                state = self.requests.get(seq.request_id)
+                if state is None:
+                    continue
+                state.engine_retries += 1
+                if state.engine_retries > MAX_ENGINE_RETRIES:
+                    await self._fail(seq.request_id, ErrorCode.ENGINE_FAILED,
+                                     f"the engine failed {state.engine_retries} times while running this request "
+                                     f"({reason})")
+                else:
+                    self._carried.append(seq)
         delay = 0.5
         while True:
             try:
@@ -456,6 +471,9 @@ class ServingCore:
                 return
             except (EngineDied, EngineRefused, OSError) as exc:
                 log.error("engine restart failed: %s; retrying in %.1f s", exc, delay)
+                carried, self._carried = self._carried, []
+                for seq in carried:
+                    await self._fail(seq.request_id, ErrorCode.UNAVAILABLE, f"the engine could not be restarted: {exc}")
                 for seq in list(self._pending):
                     await self._fail(seq.request_id, ErrorCode.UNAVAILABLE, f"the engine could not be restarted: {exc}")
                 await asyncio.sleep(delay)

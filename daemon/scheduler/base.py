@@ -83,6 +83,21 @@ class BaseScheduler(ABC):
         for seq in list(self.waiting) + self.running:
             self._on_add(seq)
 
+    def requeue(self, seq: Sequence) -> None:
+        """Take over a sequence whose KV was lost with its engine: it is recomputed from its prompt
+        and the tokens it already produced, and sampling continues at the same token index, so
+        the client sees neither a gap nor a duplicate."""
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request {seq.request_id!r} is already queued")
+        seq.kv_pages = []
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+        self._by_id[seq.request_id] = seq
+        if seq.req.ttft_slo_s is not None:
+            self._own_slo += 1
+        self._on_add(seq)
+
     def add(self, req: SeqRequest) -> Sequence:
         if not req.prompt_ids:
             raise ValueError(f"request {req.request_id!r} has an empty prompt")

@@ -1,0 +1,271 @@
+"""Discrete-event simulator of N engines driven by the daemon's own policy classes (torch-free).
+
+Each simulated engine runs a real scheduler from `make_scheduler` (with its real adapter
+cache) on a shared virtual clock; a real router places arrivals. Only execution is modelled
+(SimProfile): a step's duration, adapter loads on a per-engine host->GPU link, and in
+cpu_assist mode the CPU computing a cold adapter's LoRA delta instead of the step waiting
+for its load. The per-step admissions are recorded (SimResult.decisions) so a live daemon
+fed the same trace can be checked against them. Never sleeps, never reads a real clock.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loraplex.daemon.memory.allocator import PageAllocator
+from loraplex.daemon.memory.geometry import PageGeometry
+from loraplex.daemon.router import EngineRequest, EngineState, RequestInfo, make_router
+from loraplex.daemon.scheduler.base import BaseScheduler
+from loraplex.daemon.scheduler.config import SchedulerConfig
+from loraplex.daemon.scheduler.factory import make_scheduler
+from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
+from loraplex.daemon.sim.profile import SimProfile
+from loraplex.daemon.sim.workload import RequestEvent
+from loraplex.ipc.engine_plan import RowResult, SamplingSpec, StepPlan, StepResult
+
+MODES = ("cached", "on_demand", "cpu_assist")
+_TOKEN = 3  # what the simulated model samples (requests ignore EOS; lengths come from the workload)
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    policy: str = "fcfs"  # scheduler: fcfs | mlq | dlora
+    cache_policy: str = "lru"  # none | lru | fifo | cost
+    mode: str = "on_demand"  # cached (loads are free) | on_demand (steps wait) | cpu_assist
+    router: str = "most_idle"
+    num_engines: int = 1
+    ttft_slo_ms: float = 2000.0
+    tpt_slo_ms: float = 100.0
+    early_abort: bool = False  # pass the TTFT SLO to the scheduler (S-LoRA early abort)
+    cluster_adapters: bool = False
+    max_loras_per_batch: int = 0
+    prefetch: bool = True
+    max_steps: int = 2_000_000
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.num_engines <= 0 or self.ttft_slo_ms <= 0 or self.tpt_slo_ms <= 0 or self.max_steps <= 0:
+            raise ValueError("num_engines, SLOs and max_steps must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One planned step: which requests it admitted (first chunk from position 0) and ran."""
+
+    engine: int
+    step_id: int
+    time_s: float
+    admitted: tuple[str, ...]
+    rows: tuple[str, ...]
+    merged_adapter: str | None = None
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    event: RequestEvent
+    engine: int
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    output_tokens: int = 0
+    aborted: bool = False
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.event.arrival_s
+
+    @property
+    def tpt_s(self) -> float | None:
+        if self.finish_s is None or self.first_token_s is None:
+            return None
+        return (self.finish_s - self.first_token_s) / max(1, self.output_tokens - 1)
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finish_s is None else self.finish_s - self.event.arrival_s
+
+
+@dataclass(slots=True)
+class SimResult:
+    config: SimConfig
+    profile: SimProfile
+    records: list[RequestRecord]
+    decisions: list[Decision]
+    makespan_s: float
+    pcie_bytes: int
+    cache_hits: int
+    cache_misses: int
+    steps: int
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(slots=True)
+class _Engine:
+    index: int
+    sched: BaseScheduler
+    ready_at: dict[str, float] = field(default_factory=dict)  # adapter -> when its load completes
+    link_free: float = 0.0
+    plan: StepPlan | None = None
+    started: float = 0.0
+    end: float = 0.0
+    busy_s: float = 0.0
+    tokens: int = 0
+
+
+class Simulator:
+    def __init__(self, config: SimConfig, profile: SimProfile | None = None) -> None:
+        self.config = config
+        self.profile = profile or SimProfile()
+        self.clock = _Clock()
+        self.router = make_router(config.router)
+        self.records: dict[str, RequestRecord] = {}
+        self.decisions: list[Decision] = []
+        self.pcie_bytes = 0
+        self.steps = 0
+        self._ranks: dict[str, int] = {}
+        self.engines = [_Engine(i, self._make_scheduler()) for i in range(config.num_engines)]
+
+    def _make_scheduler(self) -> BaseScheduler:
+        p, c = self.profile, self.config
+        sched_cfg = SchedulerConfig(
+            max_num_seqs=p.max_num_seqs, max_batched_tokens=p.max_batched_tokens, max_model_len=p.max_model_len,
+            cache_policy=c.cache_policy, prefetch=c.prefetch, cluster_adapters=c.cluster_adapters,
+            max_loras_per_batch=c.max_loras_per_batch, ttft_slo_s=c.ttft_slo_ms / 1e3 if c.early_abort else None)
+        geometry = PageGeometry(kv_dim=1, page_tokens=p.page_tokens, max_row_width=0)
+        return make_scheduler(c.policy, sched_cfg, geometry, PageAllocator(p.pool_pages),
+                              lambda name: p.adapter_pages(self._ranks[name]), (),
+                              adapter_rank=self._ranks.__getitem__, clock=self.clock)
+
+    # ---- the event loop ----------------------------------------------------------------------
+    def run(self, events: list[RequestEvent]) -> SimResult:
+        pending = sorted(events, key=lambda e: (e.arrival_s, e.request_id))
+        for e in pending:
+            if e.adapter is not None:
+                self._ranks[e.adapter] = e.rank
+        i = 0
+        while True:
+            for eng in self.engines:
+                if eng.plan is not None and eng.end <= self.clock.now:
+                    self._complete(eng)
+            while i < len(pending) and pending[i].arrival_s <= self.clock.now:
+                self._arrive(pending[i])
+                i += 1
+            for eng in self.engines:
+                if eng.plan is None and eng.sched.has_work():
+                    self._start(eng)
+            times = [e.end for e in self.engines if e.plan is not None]
+            if i < len(pending):
+                times.append(pending[i].arrival_s)
+            if not times:
+                if any(e.sched.has_work() for e in self.engines):
+                    raise RuntimeError("simulation stalled: queued requests that can never be scheduled")
+                break
+            self.clock.now = max(self.clock.now, min(times))
+            if self.steps > self.config.max_steps:
+                raise RuntimeError(f"simulation did not finish within {self.config.max_steps} steps")
+        hits = sum(e.sched.adapters.totals.hits for e in self.engines)
+        misses = sum(e.sched.adapters.totals.misses for e in self.engines)
+        return SimResult(self.config, self.profile, [self.records[e.request_id] for e in pending], self.decisions,
+                         self.clock.now, self.pcie_bytes, hits, misses, self.steps)
+
+    def _arrive(self, ev: RequestEvent) -> None:
+        p = self.profile
+        prompt = max(1, min(ev.prompt_len, p.max_model_len - 1))
+        info = RequestInfo(request_id=ev.request_id, adapter=ev.adapter, rank=ev.rank, prompt_len=prompt,
+                           max_tokens=ev.output_len, adapter_bytes=p.adapter_bytes(ev.rank))
+        index = self.router.choose(info, [self._snapshot(e) for e in self.engines])
+        eng = self.engines[index]
+        self.records[ev.request_id] = RequestRecord(ev, index)
+        eng.sched.add(SeqRequest(request_id=ev.request_id, prompt_ids=[_TOKEN] * prompt, adapter=ev.adapter,
+                                 sampling=SamplingSpec(temperature=0.0), max_tokens=ev.output_len, ignore_eos=True))
+
+    def _snapshot(self, eng: _Engine) -> EngineState:
+        def view(seq: Sequence) -> EngineRequest:
+            left = seq.num_uncomputed + max(0, seq.req.max_tokens - len(seq.output_ids) - 1)
+            rank = 0 if seq.req.adapter is None else self._ranks[seq.req.adapter]
+            return EngineRequest(seq.request_id, seq.req.adapter, rank, left, self.profile.adapter_bytes(rank))
+
+        p = self.profile
+        rate = eng.tokens / eng.busy_s if eng.busy_s > 0 else 1e3 / max(p.prefill_ms_per_token, 1e-6)
+        return EngineState(engine_id=eng.index, running=tuple(view(s) for s in eng.sched.running),
+                           waiting=tuple(view(s) for s in eng.sched.waiting),
+                           resident_adapters=frozenset(eng.sched.adapters.resident_names()),
+                           max_num_seqs=p.max_num_seqs, free_pages=eng.sched.allocator.num_free,
+                           total_pages=p.pool_pages, tokens_per_s=rate,
+                           load_bytes_per_s=0.0 if self.config.mode == "cached" else p.pcie_bytes_per_s)
+
+    # ---- one engine step ---------------------------------------------------------------------
+    def _start(self, eng: _Engine) -> None:
+        now, p, mode = self.clock.now, self.profile, self.config.mode
+        plan = eng.sched.schedule()
+        for abort in eng.sched.take_aborted():
+            rec = self.records[abort.request_id]
+            rec.aborted, rec.finish_s = True, now
+        if plan is None:
+            return
+        for name in plan.evict:
+            eng.ready_at.pop(name, None)
+        for placement in plan.place:
+            rank = self._ranks[placement.name]
+            load_s = p.load_s(rank)
+            eng.sched.adapters.record_load_ms(placement.name, load_s * 1e3)
+            if mode == "cached":
+                eng.ready_at[placement.name] = now  # every adapter already sits in GPU memory
+                continue
+            eng.link_free = max(now, eng.link_free) + load_s
+            eng.ready_at[placement.name] = eng.link_free
+            self.pcie_bytes += p.adapter_bytes(rank)
+        prompt_len = {s.request_id: len(s.req.prompt_ids) for s in eng.sched.running}
+        ranks, prefill, decode, cold_cpu_s, wait_until = [], 0, 0, 0.0, now
+        for row in plan.rows:
+            n = len(row.token_ids)
+            if row.start_pos >= prompt_len.get(row.request_id, 0):
+                decode += 1
+            else:
+                prefill += n
+            if row.adapter is None or row.adapter == plan.merged_adapter:
+                continue
+            rank = self._ranks[row.adapter]
+            ranks.append(rank)
+            ready = eng.ready_at.get(row.adapter, now)
+            if ready > now:
+                wait_until = max(wait_until, ready)
+                cold_cpu_s += p.cpu_lora_s(n, rank)
+        step_s = p.step_ms(ranks, prefill, decode) / 1e3
+        if mode == "cpu_assist":  # CPU workers compute the cold deltas while the GPU runs the base model
+            start, step_s = now, max(step_s, cold_cpu_s)
+        else:
+            start = wait_until if mode == "on_demand" else now
+        eng.plan, eng.started, eng.end = plan, now, start + step_s
+        eng.busy_s += eng.end - now
+        eng.tokens += plan.num_tokens
+        self.steps += 1
+        self.decisions.append(Decision(eng.index, plan.step_id, now,
+                                       tuple(r.request_id for r in plan.rows if r.start_pos == 0),
+                                       tuple(r.request_id for r in plan.rows), plan.merged_adapter))
+
+    def _complete(self, eng: _Engine) -> None:
+        plan, now = eng.plan, self.clock.now
+        if plan is None:
+            return
+        eng.plan = None
+        rows = [RowResult(r.request_id, _TOKEN, None) for r in plan.rows if r.sample]
+        for row in rows:
+            rec = self.records[row.request_id]
+            if rec.first_token_s is None:
+                rec.first_token_s = now
+        forward_ms = max(1e-6, (eng.end - eng.started) * 1e3)
+        for seq in eng.sched.apply(plan, StepResult(plan.step_id, rows, forward_ms=forward_ms)):
+            rec = self.records[seq.request_id]
+            rec.finish_s, rec.output_tokens = now, len(seq.output_ids)
+
+
+def simulate(events: list[RequestEvent], config: SimConfig, profile: SimProfile | None = None) -> SimResult:
+    """Run `events` through a fresh simulator."""
+    return Simulator(config, profile).run(events)
