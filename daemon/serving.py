@@ -535,6 +535,8 @@ class ServingCore:
             draining=self.draining,
             preemptions=sched.num_preemptions if sched else 0,
             scheduler=self.policy,
+            running_adapters=sorted({s.req.adapter for s in sched.running if s.req.adapter}) if sched else [],
+            waiting_adapters=sorted({s.req.adapter for s in sched.waiting if s.req.adapter}) if sched else [],
             merged_adapter=sched.merged_adapter if sched else None,
             max_loras_per_batch=self.config.scheduler.max_loras_per_batch,
         )

@@ -98,9 +98,17 @@ class _LiveCollector:
         # As vLLM: the value is the current time; routers read the labels of the newest sample.
         info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests (vLLM-compatible)",
                                  labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-        info.add_metric([",".join(self._in_flight.adapters(RUNNING)), ",".join(self._in_flight.adapters(WAITING)),
-                         str(self._max_lora())], time.time())
+        running, waiting = self._daemon_adapters()
+        info.add_metric([",".join(running), ",".join(waiting), str(self._max_lora())], time.time())
         yield info
+
+    def _daemon_adapters(self) -> tuple[list[str], list[str]]:
+        """The daemon's own view (every client's requests) when its stats carry it, else this gateway's."""
+        snap = self._stats.snapshot or {}
+        running, waiting = snap.get("running_adapters"), snap.get("waiting_adapters")
+        if isinstance(running, list) and isinstance(waiting, list):
+            return [str(a) for a in running], [str(a) for a in waiting]
+        return list(self._in_flight.adapters(RUNNING)), list(self._in_flight.adapters(WAITING))
 
     def _max_lora(self) -> int:
         reported = (self._stats.snapshot or {}).get("max_loras_per_batch")
