@@ -20,7 +20,7 @@ from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
 from loraplex.daemon.registry import AdapterRegistry, RegistryError, check_adapter_path
 from loraplex.daemon.sdnotify import Notifier
-from loraplex.daemon.server import Dispatcher, Listener, publish_stats
+from loraplex.daemon.server import Dispatcher, Listener, probe_quiet_clients, publish_stats
 from loraplex.daemon.serving import ServingCore
 from loraplex.ipc.codec import DecodeLimits
 from loraplex.ipc.runtime_dir import endpoints, ensure_runtime_dir, instance_id
@@ -127,6 +127,7 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
             return 1
         tasks = [asyncio.create_task(dispatcher.serve(lst), name=f"listener-{lst.tag}") for lst in listeners]
         tasks.append(asyncio.create_task(publish_stats(core, pub, config.server.stats_interval_s), name="stats"))
+        tasks.append(asyncio.create_task(probe_quiet_clients(dispatcher), name="probe"))
         tasks.append(asyncio.create_task(notifier.watchdog(lambda: core.engine.alive()), name="watchdog"))
         log.info("serving on %s (admin %s, stats %s)%s", eps.client, eps.admin, eps.stats,
                  f", {config.server.tcp_listen}" if config.server.tcp_listen else "")

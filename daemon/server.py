@@ -149,6 +149,17 @@ class Dispatcher:
         raise Rejected(ErrorCode.UNKNOWN_TYPE, f"unhandled admin message {msg.TYPE}")
 
 
+async def probe_quiet_clients(dispatcher: Dispatcher, interval_s: float = 1.0) -> None:
+    """Clients waiting on non-streamed requests get no message until `done`; an unsolicited
+    pong (clients drop it) tells us within a second when such a client has gone, so its
+    requests are aborted and their pages freed instead of computed for nobody."""
+    while True:
+        await asyncio.sleep(interval_s)
+        quiet = {s.identity for s in dispatcher.core.requests.values() if not s.msg.stream}
+        for identity in quiet:
+            await dispatcher._reply(identity, PongReply(request_id=None))
+
+
 async def publish_stats(core: ServingCore, pub: AsyncTypedSocket, interval_s: float) -> None:
     """The stats stream for the console: one snapshot every interval, never blocking."""
     while True:

@@ -520,3 +520,28 @@ def test_per_client_limit_gets_a_fast_busy_reply(demo, tmp_path):
             assert len(client.generate([5, 6], max_tokens=2, timeout=60).token_ids) == 2
     finally:
         assert proc.stop() == 0, proc.log()
+
+
+def test_vanished_client_of_a_non_streamed_request_is_noticed(daemon):
+    import subprocess
+    import sys
+
+    code = (
+        "import zmq, sys\n"
+        "from loraplex.ipc.sockets import make_dealer\n"
+        "from loraplex.ipc.protocol import GenerateRequest\n"
+        f"s = make_dealer(zmq.Context(), 'ipc://{daemon.runtime_dir}/client.sock')\n"
+        "s.send(GenerateRequest(request_id='gone', prompt_token_ids=[5, 6, 7], max_tokens=100000, ignore_eos=True))\n"
+        "sys.stdout.write('sent\\n'); sys.stdout.flush()\n"
+        "import time; time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "sent"
+    deadline = time.monotonic() + 30
+    while _kv_pages(daemon) == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+    child.kill()  # the client process dies without cancelling
+    child.wait()
+    stats = _wait_idle(daemon, timeout_s=15)  # noticed by the probe, aborted, pages freed
+    assert stats["running"] == 0

@@ -30,7 +30,7 @@ def summarize(result: SimResult) -> dict[str, object]:
     n = len(result.records)
     accesses = result.cache_hits + result.cache_misses
     row: dict[str, object] = {
-        "policy": cfg.policy, "cache_policy": cfg.cache_policy, "mode": cfg.mode, "router": cfg.router,
+        "label": cfg.policy, "policy": cfg.policy, "scheduler": cfg.policy, "cache_policy": cfg.cache_policy, "mode": cfg.mode, "router": cfg.router,
         "engines": cfg.num_engines, "requests": n, "completed": len(done),
         "aborted": sum(r.aborted for r in result.records),
         "slo_attainment": len(met) / n if n else 0.0,

@@ -19,7 +19,7 @@ class SimProfile:
     # Step = alpha·Σrank (or BGMV padding) + beta  [the router's PERF model]
     #      + prefill_ms_per_token·prefill tokens + decode_ms_per_row·decode rows.
     kernel: str = "mbgmv"
-    alpha_ms: float = 0.03  # ms per rank unit of the LoRA kernel
+    alpha_ms: float = 0.01  # ms per rank unit of the LoRA kernel
     beta_ms: float = 8.0  # ms, fixed cost of a step
     prefill_ms_per_token: float = 0.12
     decode_ms_per_row: float = 0.25
