@@ -308,6 +308,18 @@ def _run_gateway(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _configure_sim(parser: argparse.ArgumentParser) -> None:
+    from loraplex.daemon.sim.cli import configure
+
+    configure(parser)
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    from loraplex.daemon.sim.cli import run
+
+    return run(args)
+
+
 COMMANDS: dict[str, Command] = {
     "generate": Command(help="generate a completion through the running daemon", configure=_configure_generate,
                         run=_run_generate),
@@ -333,6 +345,8 @@ COMMANDS: dict[str, Command] = {
         configure=_configure_demo_model,
         run=_run_demo_model,
     ),
+    "sim": Command(help="simulate engines with the daemon's own schedulers, routers and caches on a virtual clock",
+                   configure=_configure_sim, run=_run_sim),
 }
 
 

@@ -25,12 +25,14 @@ def _stats(name: str, values_s: list[float]) -> dict[str, float]:
 def summarize(result: SimResult) -> dict[str, object]:
     cfg = result.config
     done = [r for r in result.records if r.finish_s is not None and not r.aborted]
-    met = [r for r in done if (r.ttft_s or 0.0) * 1e3 <= cfg.ttft_slo_ms and (r.tpt_s or 0.0) * 1e3 <= cfg.tpt_slo_ms]
+    met = [r for r in done
+           if (r.ttft_s or 0.0) * 1e3 <= cfg.ttft_slo_ms and (r.tpt_s or 0.0) * 1e3 <= cfg.tpt_slo_ms]
     span = result.makespan_s
     n = len(result.records)
     accesses = result.cache_hits + result.cache_misses
     row: dict[str, object] = {
-        "label": cfg.policy, "policy": cfg.policy, "scheduler": cfg.policy, "cache_policy": cfg.cache_policy, "mode": cfg.mode, "router": cfg.router,
+        "label": cfg.policy, "policy": cfg.policy, "scheduler": cfg.policy, "cache_policy": cfg.cache_policy,
+        "mode": cfg.mode, "router": cfg.router,
         "engines": cfg.num_engines, "requests": n, "completed": len(done),
         "aborted": sum(r.aborted for r in result.records),
         "slo_attainment": len(met) / n if n else 0.0,

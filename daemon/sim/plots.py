@@ -43,7 +43,8 @@ def plot_vs_load(rows: list[dict[str, object]], path: Path, metric: str = "p99_t
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = list(dict.fromkeys(str(r["label"]) for r in rows))
     for label in labels:
-        pts = sorted((float(r["rate_rps"]), float(r[metric])) for r in rows if r["label"] == label)  # type: ignore[arg-type]
+        pts = sorted((float(r["rate_rps"]), float(r[metric]))  # type: ignore[arg-type]
+                     for r in rows if r["label"] == label)
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
     ax.set_xlabel("offered load (req/s)")
     ax.set_ylabel(metric)
