@@ -302,10 +302,16 @@ def test_raw_socket_bad_inputs_get_stable_codes(daemon):
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(f"ipc://{daemon.runtime_dir}/client.sock")
 
+    def next_reply():
+        while True:  # skip the daemon's liveness probes (unsolicited pongs)
+            assert raw.poll(30000), "no reply"
+            msg = decode(raw.recv())
+            if msg.TYPE != "pong":
+                return msg
+
     def ask(body: bytes):
         raw.send(body)
-        assert raw.poll(30000), "no reply"
-        return decode(raw.recv())
+        return next_reply()
 
     def generate(**fields) -> bytes:
         base = {"v": 1, "type": "generate", "request_id": "dup", "prompt_token_ids": [5, 6, 7],
@@ -323,8 +329,7 @@ def test_raw_socket_bad_inputs_get_stable_codes(daemon):
         dup = ask(generate(max_tokens=2))  # ... a second one with the same id is refused
         assert dup.code == "duplicate_request" and dup.request_id == "dup"
         raw.send(msgpack.packb({"v": 1, "type": "cancel", "request_id": "dup"}))
-        assert raw.poll(30000)
-        done = decode(raw.recv())
+        done = next_reply()
         assert done.TYPE == "done" and done.finish_reason == "cancelled"
     finally:
         raw.close()
