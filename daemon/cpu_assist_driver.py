@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 
 from loraplex.cpu_lora.calibration import CpuProfile
 from loraplex.cpu_lora.pool import CpuWorkerError, CpuWorkerPool
@@ -39,6 +40,8 @@ class CpuAssistDriver:
         self.jobs = self.failures = self.cpu_rows = 0
         self.busy_ms = 0.0
         self._pending: set[asyncio.Future] = set()
+        self._started = time.monotonic()
+        self._per_worker: dict[int, list[float]] = {}  # worker -> [busy ms, tokens]
         self._step_jobs: dict[int, list[tuple[int, int, asyncio.Future]]] = {}  # seq -> (worker, job id, future)
 
     def set_engine(self, hello: EngineHello) -> None:
@@ -94,7 +97,11 @@ class CpuAssistDriver:
                 level = logging.WARNING if isinstance(exc, CpuWorkerError) else logging.ERROR
                 log.log(level, "CPU LoRA job failed: %s", exc)
             else:
-                self.busy_ms += f.result().busy_ms
+                done_msg = f.result()
+                self.busy_ms += done_msg.busy_ms
+                acc = self._per_worker.setdefault(done_msg.index, [0.0, 0.0])
+                acc[0] += done_msg.busy_ms
+                acc[1] += done_msg.tokens
 
         future.add_done_callback(done)
 
@@ -112,6 +119,16 @@ class CpuAssistDriver:
         for worker, job_id, future in jobs:
             if not future.done() and self.pool.declare_stalled(worker, job_id):
                 log.warning("CPU worker %d missed the engine's deadline; restarting it", worker)
+
+    def workers(self) -> list[dict[str, object]]:
+        """Per worker: busy % since the pool started, tokens done, restarts (for the console)."""
+        elapsed_ms = max(1.0, (time.monotonic() - self._started) * 1e3)
+        rows = []
+        for w in self.pool.describe():
+            busy, tokens = self._per_worker.get(w["index"], [0.0, 0.0])
+            rows.append({**w, "busy_pct": 100.0 * busy / elapsed_ms, "tokens": int(tokens),
+                         "restarts": max(0, int(w.get("starts", 1)) - 1)})
+        return rows
 
     def snapshot(self) -> dict[str, object]:
         return {"jobs": self.jobs, "failures": self.failures, "cpu_rows": self.cpu_rows, "busy_ms": self.busy_ms,

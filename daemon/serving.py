@@ -532,6 +532,7 @@ class ServingCore:
             engine=self.engine.describe(),
             load_mode=self.load_mode,
             cpu_assist=self.cpu.snapshot() if self.cpu is not None else None,
+            workers=self.cpu.workers() if self.cpu is not None else [],
             draining=self.draining,
             preemptions=sched.num_preemptions if sched else 0,
             scheduler=self.policy,
