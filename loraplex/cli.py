@@ -320,7 +320,23 @@ def _run_sim(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _configure_bench(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="WHAT")
+    serve = sub.add_parser("serve", help="drive the running daemon with a workload and report latency figures")
+    from loraplex.daemon.sim.loadgen import configure
+
+    configure(serve)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from loraplex.daemon.sim.loadgen import run
+
+    return run(args)
+
+
 COMMANDS: dict[str, Command] = {
+    "bench": Command(help="live load generator: `loraplex bench serve` (same workload spec as `loraplex sim`)",
+                     configure=_configure_bench, run=_run_bench),
     "generate": Command(help="generate a completion through the running daemon", configure=_configure_generate,
                         run=_run_generate),
     "adapters": Command(help="list, add, remove or pin adapters", configure=_configure_adapters,
