@@ -27,20 +27,15 @@ class Clustering:
         return tuple((c[i] + c[i + 1]) / 2 for i in range(len(c) - 1))
 
 
-def kmeans_1d(values: list[float], k: int, *, iterations: int = 64,
-              seeds: tuple[float, ...] | None = None) -> tuple[tuple[float, ...], float]:
-    """Lloyd's algorithm on sorted values; (centroids ascending, WCSS). Seeds default to
-    quantiles of the DISTINCT values (duplicates must not merge seeds). Empty clusters are
-    dropped, so fewer than k centroids may come back."""
+def kmeans_1d(values: list[float], k: int, *, iterations: int = 64) -> tuple[tuple[float, ...], float]:
+    """Lloyd's algorithm on sorted values from quantile seeds; (centroids ascending, WCSS).
+    Empty clusters are dropped, so fewer than k centroids may come back."""
     if not values:
         raise ValueError("kmeans_1d needs at least one value")
     xs = sorted(values)
     n = len(xs)
-    distinct = sorted(set(xs))
-    k = max(1, min(k, len(distinct)))
-    if seeds is None:
-        seeds = tuple(distinct[min(len(distinct) - 1, int((i + 0.5) * len(distinct) / k))] for i in range(k))
-    centroids = sorted(set(seeds))
+    k = max(1, min(k, len(set(xs))))
+    centroids = sorted({xs[min(n - 1, int((i + 0.5) * n / k))] for i in range(k)})
     # Prefix sums make each cluster's mean and SSE O(1) once its index range is known.
     pre = [0.0]
     pre2 = [0.0]
@@ -78,19 +73,13 @@ def choose_clusters(values: list[float], k_max: int, *, min_gain: float = 0.5, m
     curve = [total]
     if total <= 0.0:
         return Clustering(best, tuple(curve))
-    far_from = best
     for k in range(2, k_max + 1):
         centroids, wcss = kmeans_1d(values, k)
-        # Also grow the previous solution by the point farthest from it: Lloyd never raises WCSS
-        # from there, so the curve cannot go up with K whatever the quantile seeds do.
-        farthest = max(values, key=lambda x: min(abs(x - c) for c in far_from))
-        grown, grown_wcss = kmeans_1d(values, k, seeds=tuple(far_from) + (farthest,))
-        if grown_wcss < wcss:
-            centroids, wcss = grown, grown_wcss
-        far_from = centroids
         gain = curve[-1] - wcss
         close = any(hi < min_ratio * lo for lo, hi in zip(centroids, centroids[1:]))
-        if len(centroids) < k or gain < min_gain * curve[-1] or gain < min_total_gain * total or close:
+        if len(centroids) < k:
+            break  # the seeds collapsed onto fewer clusters: that WCSS is not one of K clusters
+        if gain < min_gain * curve[-1] or gain < min_total_gain * total or close:
             curve.append(wcss)
             break
         curve.append(wcss)
