@@ -12,6 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from loraplex.cpu_lora.calibration import split_rows
 from loraplex.ipc.engine_plan import CpuAssistStep, RowPlan, StepPlan
 
 LOAD_MODES = ("auto", "cached", "on_demand", "cpu_assist")
@@ -75,18 +76,6 @@ class WorkerSlice:
     xrow: int
     count: int
     cpu_layers: int
-
-
-def split_rows(count: int, parts: int) -> list[tuple[int, int]]:
-    """(offset, count) pieces of `count` rows over `parts` workers, none empty."""
-    parts = max(1, min(parts, count))
-    size, extra = divmod(count, parts)
-    out, start = [], 0
-    for p in range(parts):
-        n = size + (1 if p < extra else 0)
-        out.append((start, n))
-        start += n
-    return out
 
 
 @dataclass(slots=True)

@@ -8,13 +8,13 @@ input raises a specific error and leaves the engine as it was.
 from __future__ import annotations
 
 import itertools
-import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence as Seq
 
 from loraplex.daemon.memory.allocator import PageAllocator
+from loraplex.daemon.registry import is_valid_adapter_name
 from loraplex.daemon.scheduler.fcfs import FcfsScheduler, SchedulerConfig
 from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
 from loraplex.errors import AdapterError, InvalidTokenError, PromptTooLongError, UnknownAdapterError
@@ -23,7 +23,6 @@ from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
 from loraplex.gpu_engine.sampling_params import SamplingParams
 from loraplex.ipc.engine_plan import SamplingSpec
 
-_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 Prompt = str | list[int]
 
 
@@ -80,7 +79,7 @@ class LLM:
 
     # ---- adapters -------------------------------------------------------------------------------
     def add_adapter(self, name: str, peft_dir: str | Path) -> None:
-        if not isinstance(name, str) or not _ADAPTER_NAME.match(name):
+        if not is_valid_adapter_name(name):
             raise AdapterError(f"adapter name {name!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
         if name in self.executor.host:
             raise AdapterError(f"adapter {name!r} is already added; remove it first")

@@ -240,10 +240,9 @@ def test_sweep_removes_dead_owners_and_keeps_live_ones(shm_names) -> None:
         assert exists(live.name)
 
 
+@pytest.mark.skipif(shm.process_start_ticks(os.getpid()) is None, reason="needs /proc")
 def test_sweep_detects_a_reused_pid(shm_names) -> None:
     """A header whose pid now belongs to a process started at another time is stale."""
-    if shm.process_start_ticks(os.getpid()) is None:
-        pytest.skip("needs /proc")
     name = shm_names("reused")
     seg = SharedSegment.create(name, 4096)
     header = seg.header
@@ -256,10 +255,9 @@ def test_sweep_detects_a_reused_pid(shm_names) -> None:
     assert sweep_stale(shm_names.prefix) == [name]
 
 
+@pytest.mark.skipif(not shm.pid_namespace(), reason="needs /proc/self/ns/pid")
 def test_sweep_never_judges_an_owner_in_another_pid_namespace(shm_names) -> None:
     """A pid from another namespace (a container sharing /dev/shm) says nothing about liveness here."""
-    if not shm.pid_namespace():
-        pytest.skip("needs /proc/self/ns/pid")
     name = shm_names("container")
     seg = SharedSegment.create(name, 4096)
     header = seg.header
