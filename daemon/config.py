@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 from loraplex.daemon.registry import is_valid_adapter_name
+from loraplex.daemon.router import ROUTERS
 
 ENV_PREFIX = "LORAPLEX_"
 ENV_CONFIG = "LORAPLEX_CONFIG"
@@ -44,7 +45,8 @@ _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 _NONE_WORDS = frozenset({"", "none", "null"})
 # Fields holding filesystem paths: `~` is expanded and relative paths are anchored
 # (at the TOML file's directory for file values, at the working directory otherwise).
-_PATH_KEYS = frozenset({"server.runtime_dir", "server.state_dir", "server.adapter_dirs"})
+_PATH_KEYS = frozenset({"server.runtime_dir", "server.state_dir", "server.adapter_dirs", "scheduler.router_profile",
+                        "server.tcp_curve_secret_key_file", "server.tcp_curve_allowed_keys"})
 
 
 class ConfigError(ValueError):
@@ -178,6 +180,17 @@ class SchedulerSettings(_Section):
         "Prefer admitting requests whose adapter is already running (S-LoRA adapter clustering)."))
     cache_policy: str = field(default="lru", metadata=_help(
         "GPU adapter cache eviction: none (free on last use), lru, fifo or cost (Chameleon score)."))
+    router: str = field(default="most_idle", metadata=_help(
+        f"Which engine a new request goes to (with server.engines > 1): {', '.join(ROUTERS)}."))
+    router_profile: str | None = field(default=None, metadata=_help(
+        "rank_aware: JSON file of the fitted PERF_BGMV/PERF_MBGMV decode-step models (router PerfProfile); "
+        "unset = built-in defaults.", "/var/lib/loraplex/perf_profile.json"))
+    router_kernel: str = field(default="mbgmv", metadata=_help(
+        "rank_aware: the decode LoRA kernel whose cost model predicts step time: bgmv or mbgmv."))
+    tpt_slo_ms: float = field(default=36.0, metadata=_help(
+        "rank_aware: time-per-output-token SLO an engine's predicted decode step must meet."))
+    rebalance_interval_s: float = field(default=0.2, metadata=_help(
+        "dlora router: seconds between checks for request-adapter co-migration across engines."))
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -185,6 +198,12 @@ class SchedulerSettings(_Section):
             self._finite("ttft_slo_ms", low=0.0, low_open=True)
         self._choice("policy", SCHEDULER_POLICIES)
         self._choice("cache_policy", CACHE_POLICIES)
+        self._choice("router", tuple(ROUTERS))
+        self._choice("router_kernel", ("bgmv", "mbgmv"))
+        self._finite("tpt_slo_ms", low=0.0, low_open=True)
+        self._finite("rebalance_interval_s", low=0.0, low_open=True)
+        if self.router_profile == "":
+            raise ConfigError("scheduler.router_profile must be a path or unset", "scheduler.router_profile")
         for name in ("max_num_seqs", "max_batched_tokens", "max_loras_per_batch"):
             self._positive(name)
         if self.max_batched_tokens < self.max_num_seqs:
@@ -209,7 +228,14 @@ class ServerSettings(_Section):
         "Directory of the adapter registry; unset = $XDG_STATE_HOME/loraplex or ~/.local/state/loraplex.",
         "/var/lib/loraplex"))
     tcp_listen: str | None = field(default=None, metadata=_help(
-        "Also serve clients on this TCP endpoint (no authentication!).", "tcp://127.0.0.1:5555"))
+        "Also serve clients on this TCP endpoint (unencrypted and open to anyone unless tcp_curve_* are set).",
+        "tcp://127.0.0.1:5555"))
+    tcp_curve_secret_key_file: str | None = field(default=None, metadata=_help(
+        "CURVE on tcp_listen: the server's secret key file (z85, mode 0600, from `loraplex keys generate DIR`); "
+        "set together with tcp_curve_allowed_keys.", "/etc/loraplex/curve/server.key"))
+    tcp_curve_allowed_keys: str | None = field(default=None, metadata=_help(
+        "CURVE on tcp_listen: the client public keys admitted, a file (one z85 key per line) or a directory "
+        "of *.pub files; read at start.", "/etc/loraplex/curve/clients"))
     drain_timeout_s: float = field(default=30.0, metadata=_help("Seconds a drain waits for running requests."))
     engine_start_timeout_s: float = field(default=300.0, metadata=_help("Seconds an engine may take to start."))
     engine_step_timeout_s: float = field(default=60.0, metadata=_help(
@@ -223,6 +249,8 @@ class ServerSettings(_Section):
         "CPU LoRA worker processes (cpu_assist); unset = the spare cores, at least 2.", "4"))
     max_requests_per_client: int = field(default=1024, metadata=_help(
         "Most requests one client connection may have in flight; more get a fast `overloaded` reply."))
+    engines: int = field(default=1, metadata=_help(
+        "Engine processes (replicas of the base model), normally one per GPU; several may share a device."))
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -236,6 +264,14 @@ class ServerSettings(_Section):
                     f"server.tcp_listen must look like tcp://HOST:PORT with PORT in 1..65535, got {self.tcp_listen!r}",
                     "server.tcp_listen",
                 )
+        curve = {"tcp_curve_secret_key_file": self.tcp_curve_secret_key_file,
+                 "tcp_curve_allowed_keys": self.tcp_curve_allowed_keys}
+        for name, value in curve.items():
+            if value == "":
+                raise ConfigError(f"server.{name} must be a non-empty path or unset", f"server.{name}")
+            if value is None and any(v is not None for v in curve.values()):
+                raise ConfigError(f"server.{name} must be set too: CURVE needs the server's secret key and the "
+                                  "allowed client keys", f"server.{name}")
         self._finite("drain_timeout_s", low=0.0)
         for name in ("engine_start_timeout_s", "engine_step_timeout_s", "stats_interval_s"):
             self._finite(name, low=0.0, low_open=True)
@@ -246,6 +282,7 @@ class ServerSettings(_Section):
         self._positive("max_clients_inflight")
         self._positive("cpu_workers", optional=True)
         self._positive("max_requests_per_client")
+        self._positive("engines")
         if any(not d for d in self.adapter_dirs):
             raise ConfigError("server.adapter_dirs must not contain empty paths", "server.adapter_dirs")
 
@@ -297,6 +334,10 @@ class LoraplexConfig:
             if not os.path.isabs(path):
                 raise ConfigError(f"adapters: directory of {name!r} must be an absolute path, got {path!r}", "adapters")
             seen.add(name)
+        if self.server.engines > 1 and self.model.adapter_load_mode == "cpu_assist":
+            # The CPU LoRA worker pool and its exchange buffers serve one engine.
+            raise ConfigError(f"model.adapter_load_mode=cpu_assist runs one engine; server.engines is "
+                              f"{self.server.engines}", "server.engines")
         object.__setattr__(self, "adapters", tuple((name, path) for name, path in self.adapters))
 
 

@@ -23,6 +23,7 @@ from loraplex.daemon.sdnotify import Notifier
 from loraplex.daemon.server import Dispatcher, Listener, probe_quiet_clients, publish_stats
 from loraplex.daemon.serving import ServingCore
 from loraplex.ipc.codec import DecodeLimits
+from loraplex.ipc.curve import CurveError, load_server_keys, start_authenticator
 from loraplex.ipc.runtime_dir import endpoints, ensure_runtime_dir, instance_id
 from loraplex.ipc.shm import sweep_stale
 from loraplex.ipc.socket_options import SocketLimits
@@ -56,27 +57,38 @@ async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = No
     size = config.server.max_message_bytes
     limits = SocketLimits(decode=DecodeLimits(max_message_bytes=size, max_str_len=size, max_bin_len=size))
     sockets: list = []
+    zap = None  # the CURVE key allow-list of the tcp listener, when configured
     try:
         listeners = [Listener(0, make_router(ctx, eps.client, limits=limits), admin=False)]
         sockets.append(listeners[-1].sock)
         listeners.append(Listener(1, make_router(ctx, eps.admin, limits=limits), admin=True))
         sockets.append(listeners[-1].sock)
         if config.server.tcp_listen:
-            listeners.append(Listener(2, make_router(ctx, config.server.tcp_listen, limits=limits), admin=False))
+            try:
+                curve = load_server_keys(config.server.tcp_curve_secret_key_file, config.server.tcp_curve_allowed_keys)
+            except CurveError as exc:
+                log.error("cannot serve %s with CURVE: %s", config.server.tcp_listen, exc)
+                return 2
+            zap = start_authenticator(ctx, curve)
+            listeners.append(Listener(2, make_router(ctx, config.server.tcp_listen, limits=limits, curve=curve),
+                                      admin=False))
             sockets.append(listeners[-1].sock)
         pub = make_pub(ctx, eps.stats, limits=limits)
         sockets.append(pub)
         spec = {**dataclasses.asdict(config.model), "shm_instance": instance_id(runtime_dir)}
-        engine = engine_factory(ctx, runtime_dir, spec,
-                            start_timeout_s=config.server.engine_start_timeout_s,
-                            step_timeout_s=config.server.engine_step_timeout_s)
+        engines = [engine_factory(ctx, runtime_dir, {**spec, "replica": i}, index=i,
+                                  start_timeout_s=config.server.engine_start_timeout_s,
+                                  step_timeout_s=config.server.engine_step_timeout_s)
+                   for i in range(config.server.engines)]
         swept = sweep_stale()
         if swept:
             log.info("removed %d stale shared-memory segments of dead daemons", len(swept))
-        return await _serve(config, registry, listeners, pub, engine, eps, ready, ctx, runtime_dir, reload_config)
+        return await _serve(config, registry, listeners, pub, engines, eps, ready, ctx, runtime_dir, reload_config)
     finally:
         for sock in sockets:
             sock.close()
+        if zap is not None:
+            zap.stop()
         ctx.term()
         registry.close()
         sweep_stale()  # segments of an engine that was killed rather than stopped
@@ -84,7 +96,7 @@ async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = No
 
 
 async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: list[Listener], pub,
-                 engine: EngineLink, eps, ready: asyncio.Event | None, engine_ctx, runtime_dir,
+                 engines: list[EngineLink], eps, ready: asyncio.Event | None, engine_ctx, runtime_dir,
                  reload_config: Callable[[], LoraplexConfig] | None = None) -> int:
     stop = asyncio.Event()
     drain_budget = [config.server.drain_timeout_s]
@@ -101,7 +113,7 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
 
         return CpuWorkerPool(engine_ctx, runtime_dir, num_workers=config.server.cpu_workers)
 
-    core = ServingCore(config, engine, send=lambda ident, msg: dispatcher.send(ident, msg),
+    core = ServingCore(config, engines, send=lambda ident, msg: dispatcher.send(ident, msg),
                        make_cpu_pool=make_cpu_pool)
     dispatcher = Dispatcher(core, registry, config.server.adapter_dirs, listeners, on_drain=request_stop)
     loop = asyncio.get_running_loop()
@@ -117,7 +129,8 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
     loop.add_signal_handler(signal.SIGHUP, request_reload)
     tasks: list[asyncio.Task] = []
     try:
-        log.info("starting the engine (model: %s)", config.model.model or "built-in demo")
+        log.info("starting %s (model: %s)", "the engine" if len(engines) == 1 else f"{len(engines)} engines",
+                 config.model.model or "built-in demo")
         notifier.status("loading the model")
         notifier.extend_timeout(config.server.engine_start_timeout_s + 30)
         try:
@@ -128,7 +141,7 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
         tasks = [asyncio.create_task(dispatcher.serve(lst), name=f"listener-{lst.tag}") for lst in listeners]
         tasks.append(asyncio.create_task(publish_stats(core, pub, config.server.stats_interval_s), name="stats"))
         tasks.append(asyncio.create_task(probe_quiet_clients(dispatcher), name="probe"))
-        tasks.append(asyncio.create_task(notifier.watchdog(lambda: core.engine.alive()), name="watchdog"))
+        tasks.append(asyncio.create_task(notifier.watchdog(core.engines_alive), name="watchdog"))
         log.info("serving on %s (admin %s, stats %s)%s", eps.client, eps.admin, eps.stats,
                  f", {config.server.tcp_listen}" if config.server.tcp_listen else "")
         names = [e.name for e in core.adapters.entries() if e.state == "ready"]

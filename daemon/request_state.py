@@ -31,6 +31,8 @@ class ClientRequest:
     last_token_at: float | None = None
     first_step_engine_ms: float | None = None  # engine compute of the step that produced the first token
     engine_retries: int = 0  # times this request was recomputed after its engine died
+    engine: int = 0  # index of the engine replica serving it
+    migrations: int = 0  # times it moved to another engine (co-migration)
 
     @property
     def request_id(self) -> str:

@@ -58,11 +58,17 @@ class Notifier:
         self.notify("STOPPING=1", f"STATUS={status}")
 
     async def watchdog(self, healthy: Callable[[], bool]) -> None:
-        """Ping WATCHDOG=1 at half the interval while `healthy()` holds."""
+        """Ping WATCHDOG=1 at half the interval while `healthy()` holds. A health
+        check that raises counts as unhealthy (systemd then restarts us) and is logged."""
         if self.watchdog_s is None:
             return
         while True:
-            if healthy():
+            try:
+                ok = healthy()
+            except Exception:
+                log.exception("watchdog health check failed; withholding WATCHDOG=1")
+                ok = False
+            if ok:
                 self.notify("WATCHDOG=1")
             await asyncio.sleep(self.watchdog_s / 2)
 

@@ -139,6 +139,8 @@ class Dispatcher:
             if isinstance(msg, SetPolicyRequest):
                 if msg.kind == "scheduler":
                     self.core.set_policy(msg.name)
+                elif msg.kind == "router":
+                    self.core.set_router(msg.name)
                 else:
                     self.core.set_cache_policy(msg.name)
                 return AdminOkReply(detail={msg.kind: msg.name}, request_id=rid)

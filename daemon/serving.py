@@ -1,9 +1,10 @@
-"""The serving core: admits client requests, runs the iteration loop (schedule →
-engine step → stream tokens), and survives engine deaths.
+"""The serving core: admits client requests, routes them to engine replicas,
+runs one iteration loop per engine (schedule → engine step → stream tokens),
+and survives engine deaths.
 
 Torch-free and socket-free: replies go out through the `send` callback the
-server gives it, so tests can drive it with a fake transport. The engine is
-an executor behind EngineLink; every policy decision is made here.
+server gives it, so tests can drive it with a fake transport. Engines are
+executors behind EngineLink; every policy decision is made here.
 """
 from __future__ import annotations
 
@@ -12,30 +13,29 @@ import logging
 import secrets
 import time
 from typing import Awaitable, Callable
+from typing import Sequence as SequenceOf
 
 from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
 from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
+from loraplex.daemon.engine_slot import EngineSlot
+from loraplex.daemon.replicas import Replicas, build_router
+from loraplex.daemon.router import ROUTERS
 from loraplex.daemon.memory.allocator import PageAllocator
-from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.daemon.request_state import ClientRequest
-from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.cache.policies import POLICY_NAMES
-from loraplex.daemon.scheduler.factory import POLICIES, make_scheduler
+from loraplex.daemon.scheduler.factory import POLICIES
 from loraplex.daemon.scheduler.sequence import SeqRequest
 from loraplex.daemon.stats import ServingStats
 from loraplex.errors import CapacityError
 from loraplex.ipc.engine_plan import SamplingSpec, StepPlan
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
-    EngineAdapterLoaded,
     EngineFailure,
     EngineHello,
-    EngineLoadAdapter,
     EngineStep,
     EngineStepDone,
-    EngineUnloadAdapter,
     ErrorReply,
     GenerateRequest,
     Message,
@@ -58,111 +58,107 @@ class Rejected(Exception):
 
 
 class ServingCore:
-    def __init__(self, config: LoraplexConfig, engine: EngineLink, send: Send,
+    def __init__(self, config: LoraplexConfig, engines: EngineLink | SequenceOf[EngineLink], send: Send,
                  make_cpu_pool: Callable[[], object] | None = None) -> None:
         self.config = config
-        self.engine = engine
+        links = list(engines) if isinstance(engines, (list, tuple)) else [engines]
+        self.slots = [EngineSlot(i, link, config) for i, link in enumerate(links)]
+        self.router_name = config.scheduler.router
+        self.replicas = Replicas(self.slots, build_router(self.router_name, config.scheduler),
+                                 config.scheduler.rebalance_interval_s)
         self.send = send
         self._make_cpu_pool = make_cpu_pool
-        self.cpu = None  # CpuAssistDriver in cpu_assist mode
+        self.cpu = None  # CpuAssistDriver in cpu_assist mode (one engine)
         self.load_mode = "on_demand"
         self.policy = config.scheduler.policy
-        self._policy_switch: str | None = None
         self.cache_policy = config.scheduler.cache_policy
         self.adapters = AdapterTable()
         self.requests: dict[str, ClientRequest] = {}
         self.stats = ServingStats()
-        self.scheduler = None  # the policy built by make_scheduler once the engine is up
-        self.allocator: PageAllocator | None = None
         self.hello: EngineHello | None = None
         self.tokenizer = None
         self.draining = False
-        self._pending: list[SeqRequest] = []  # accepted while the engine (re)starts
-        self._carried: list = []  # Sequences of a dead engine awaiting recompute
-        self._work = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self._per_client: dict[bytes, int] = {}  # identity -> requests in flight
-        self._loop_task: asyncio.Task | None = None
+
+    # The first engine, for callers that think of one engine (the watchdog, single-engine tests).
+    @property
+    def engine(self) -> EngineLink:
+        return self.slots[0].link
+
+    @property
+    def scheduler(self):
+        return self.slots[0].scheduler
+
+    @property
+    def allocator(self) -> PageAllocator | None:
+        return self.slots[0].allocator
+
+    def engines_alive(self) -> bool:
+        """At least one engine process is running (the watchdog's health check)."""
+        return any(slot.link.alive() for slot in self.slots)
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self, adapters: list[tuple[str, str, bool]]) -> None:
-        """Start the engine, register `adapters` (name, path, pinned) with it, start stepping."""
+        """Start the engines (concurrently), register `adapters` (name, path, pinned) with each,
+        start stepping. Raises EngineDied / EngineRefused if an engine cannot start."""
         for name, path, pinned in adapters:
             self.adapters.put(AdapterEntry(name=name, path=path, pinned=pinned))
-        await self._engine_up()
-        self._loop_task = asyncio.create_task(self._step_loop(), name="step-loop")
+        results = await asyncio.gather(*(self._engine_up(slot) for slot in self.slots), return_exceptions=True)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            for slot in self.slots:
+                await slot.link.stop()
+            raise failure
+        for slot in self.slots:
+            slot.loop_task = asyncio.create_task(self._step_loop(slot), name=f"step-loop-{slot.index}")
 
-    async def _engine_up(self) -> None:
-        hello = await self.engine.start()
-        self.hello = hello
+    async def _engine_up(self, slot: EngineSlot) -> None:
+        hello = await slot.bring_up(self.adapters, self.policy, self.cache_policy, self.config.model.load_groups)
+        self.hello = self.hello or hello
         self.stats.link_bytes_per_s = hello.link_bytes_per_s
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(hello.model_dir)
-        geometry = PageGeometry(kv_dim=hello.kv_dim, page_tokens=hello.page_tokens, max_row_width=hello.page_elems)
-        self.allocator = PageAllocator(hello.num_pages)
         self.load_mode = hello.load_mode
-        groups = self.config.model.load_groups if self.load_mode == "cpu_assist" else 1
-        self.scheduler = self._build_scheduler(self.policy, geometry, hello, groups)
-        for name, path in hello.demo_adapters.items():  # the built-in demo's adapters, serving without --model
-            if name not in self.adapters:
-                self.adapters.put(AdapterEntry(name=name, path=path))
-        for entry in self.adapters.entries():
-            await self._load_into_engine(entry)
         if self.load_mode == "cpu_assist":
             await self._start_cpu_assist(hello)
         if self.load_mode == "cached":
-            await self._preload_all()
-        carried, self._carried = self._carried, []
-        for seq in carried:  # requests of a dead engine, recomputed from prompt + tokens so far
-            if seq.request_id in self.requests:
-                self.scheduler.requeue(seq)
-        pending, self._pending = self._pending, []
-        for req in pending:
-            self._enqueue(req)
-
-    def _build_scheduler(self, policy: str, geometry: PageGeometry, hello: EngineHello, groups: int):
-        sched = self.config.scheduler
-        return make_scheduler(
-            policy,
-            SchedulerConfig(max_num_seqs=sched.max_num_seqs, max_batched_tokens=sched.max_batched_tokens,
-                            max_model_len=hello.max_model_len, load_groups=groups,
-                            max_loras_per_batch=sched.max_loras_per_batch,
-                            ttft_slo_s=None if sched.ttft_slo_ms is None else sched.ttft_slo_ms / 1e3,
-                            cluster_adapters=sched.cluster_adapters, cache_policy=self.cache_policy),
-            geometry, self.allocator, self.adapters.pages, tuple(hello.eos_token_ids),
-            adapter_rank=lambda name: self.adapters.get(name).rank,
-        )
+            await slot.preload(self.adapters)
+        slot.release_waiting()
 
     def set_policy(self, name: str) -> None:
-        """Switch the scheduling policy at run time; takes effect before the next step."""
+        """Switch the scheduling policy at run time; takes effect before each engine's next step."""
         if name not in POLICIES:
             raise Rejected(ErrorCode.INVALID_FIELD, f"unknown scheduler {name!r}; choose one of {POLICIES}")
         self.policy = name
-        self._policy_switch = name
-        self._work.set()
+        for slot in self.slots:
+            slot.policy_switch = name
+            slot.work.set()
 
     def set_cache_policy(self, name: str) -> None:
         """Switch the GPU adapter cache policy at run time; resident adapters stay."""
         if name not in POLICY_NAMES:
             raise Rejected(ErrorCode.INVALID_FIELD, f"unknown cache policy {name!r}; choose one of {POLICY_NAMES}")
         self.cache_policy = name
-        if self.scheduler is not None:
-            self.scheduler.adapters.set_policy(name)
+        for slot in self.slots:
+            if slot.scheduler is not None:
+                slot.scheduler.adapters.set_policy(name)
+
+    def set_router(self, name: str) -> None:
+        """Switch the engine router at run time; requests already placed stay where they are."""
+        if name not in ROUTERS:
+            raise Rejected(ErrorCode.INVALID_FIELD, f"unknown router {name!r}; choose one of {', '.join(ROUTERS)}")
+        try:
+            self.replicas.router = build_router(name, self.config.scheduler)
+        except (OSError, ValueError) as exc:  # rank_aware's profile file
+            raise Rejected(ErrorCode.INVALID_FIELD, f"router {name!r} cannot start: {exc}") from None
+        self.router_name = name
 
     def pin_adapter(self, name: str, pinned: bool) -> None:
-        if self.scheduler is not None:
-            (self.scheduler.adapters.pin if pinned else self.scheduler.adapters.unpin)(name)
-
-    def _apply_policy_switch(self) -> None:
-        name, self._policy_switch = self._policy_switch, None
-        old = self.scheduler
-        if name is None or old is None or self.hello is None:
-            return
-        fresh = self._build_scheduler(name, old.geometry, self.hello, old.config.load_groups)
-        fresh.adopt(old)
-        self.scheduler = fresh
-        log.info("scheduler switched to %s", name)
+        for slot in self.slots:
+            if slot.scheduler is not None:
+                (slot.scheduler.adapters.pin if pinned else slot.scheduler.adapters.unpin)(name)
 
     async def _start_cpu_assist(self, hello: EngineHello) -> None:
         if self.cpu is not None:
@@ -179,36 +175,18 @@ class ServingCore:
         self.cpu = CpuAssistDriver(pool, hello, profile, self.config.model.load_groups)
         log.info("cpu_assist: %d CPU LoRA workers, %.0f MB/s link", pool.size, hello.link_bytes_per_s / 1e6)
 
-    async def _preload_all(self) -> None:
-        """cached mode: every ready adapter is placed once and never evicted (its reference is kept)."""
-        for entry in self.adapters.entries():
-            if entry.state == "ready" and not self.scheduler.adapters.is_resident(entry.name):
-                if not self.scheduler.adapters.acquire(entry.name, entry.num_pages):
-                    log.warning("cached mode: no pool room for adapter %s; it will load on demand", entry.name)
-        plan = self.scheduler.placement_plan()
-        if plan is not None:
-            await self.engine.call(EngineStep(plan=plan))
-
-    async def _load_into_engine(self, entry: AdapterEntry) -> None:
-        try:
-            reply = await self.engine.call(EngineLoadAdapter(name=entry.name, path=entry.path))
-        except EngineRefused as exc:
-            entry.failed(str(exc))
-            log.warning("adapter %s failed to load: %s", entry.name, exc)
-            return
-        if isinstance(reply, EngineAdapterLoaded):
-            entry.loaded(reply)
-
     async def stop(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
+        for slot in self.slots:
+            if slot.loop_task is not None:
+                slot.loop_task.cancel()
+                try:
+                    await slot.loop_task
+                except asyncio.CancelledError:
+                    pass
         for key in list(self.requests):
             await self._fail(key, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-        await self.engine.stop()
+        for slot in self.slots:
+            await slot.link.stop()
         if self.cpu is not None:
             await self.cpu.pool.stop()
 
@@ -258,16 +236,18 @@ class ServingCore:
         self.requests[key] = state
         self._per_client[identity] = per_client + 1
         self._idle.clear()
+        slot = self.replicas.choose(seq, self.adapters)
         try:
-            self._enqueue(seq)
+            slot.enqueue(seq)
         except CapacityError as exc:
             del self.requests[key]
             self._client_done(identity)
             self._check_idle()
             raise Rejected(ErrorCode.TOO_LARGE, str(exc)) from None
+        state.engine = slot.index
         self.stats.accepted(msg.adapter)
-        if msg.adapter is not None and self.scheduler is not None:
-            self.scheduler.adapters.note_arrival(msg.adapter)
+        if msg.adapter is not None and slot.scheduler is not None:
+            slot.scheduler.adapters.note_arrival(msg.adapter)
         if msg.adapter is not None:
             self.adapters.get(msg.adapter).requests += 1
         if msg.deadline_ms is not None:
@@ -292,13 +272,6 @@ class ServingCore:
                            f"prompt has {len(ids)} tokens; the context holds {limit} (prompt + at least 1 new token)")
         return ids
 
-    def _enqueue(self, seq: SeqRequest) -> None:
-        if self.scheduler is None or not self.engine.alive():
-            self._pending.append(seq)
-            return
-        self.scheduler.add(seq)
-        self._work.set()
-
     async def cancel(self, identity: bytes, request_id: str) -> bool:
         key = _key(identity, request_id)
         if key not in self.requests:
@@ -320,19 +293,25 @@ class ServingCore:
             asyncio.ensure_future(self._fail(key, ErrorCode.TIMEOUT, "the request's deadline passed"))
 
     # ---- the iteration loop ------------------------------------------------------------------
-    async def _step_loop(self) -> None:
+    async def _step_loop(self, slot: EngineSlot) -> None:
+        """One engine's iteration loop: schedule, run the step, stream what it produced."""
         failures = 0
         while True:
-            await self._work.wait()
+            await slot.work.wait()
             policy_started = time.perf_counter()
-            if self._policy_switch is not None:
-                self._apply_policy_switch()
-            plan = self.scheduler.schedule() if self.scheduler is not None else None
-            if self.scheduler is not None:
-                for aborted in self.scheduler.take_aborted():  # SLO early abort (S-LoRA 4.3)
+            if slot.policy_switch is not None:
+                slot.apply_policy_switch(self.cache_policy, self.adapters)
+            if slot.moves:
+                self._carry_out_moves(slot)
+            if self.replicas.due_for_rebalance():
+                self._rebalance()
+            sched = slot.scheduler
+            plan = sched.schedule() if sched is not None else None
+            if sched is not None:
+                for aborted in sched.take_aborted():  # SLO early abort (S-LoRA 4.3)
                     await self._fail(aborted.request_id, ErrorCode(aborted.code), aborted.message)
             if plan is None:
-                self._work.clear()
+                slot.work.clear()
                 continue
             if self.cpu is not None and plan.merged_adapter is None:
                 plan = await self.cpu.prepare(plan, self.adapters)
@@ -340,26 +319,54 @@ class ServingCore:
             started = time.perf_counter()
             schedule_ms = (started - policy_started) * 1e3
             try:
-                reply = await self.engine.call(EngineStep(plan=plan))
+                reply = await slot.link.call(EngineStep(plan=plan))
             except EngineRefused as exc:
-                self.scheduler.discard_inflight()
+                sched.discard_inflight()
                 failures += 1
-                log.error("engine step failed (%d in a row): %s", failures, exc)
+                log.error("engine %d step failed (%d in a row): %s", slot.index, failures, exc)
                 if failures >= MAX_STEP_FAILURES:
-                    await self._engine_lost(f"engine failed {failures} steps in a row: {exc}")
+                    await self._engine_lost(slot, f"engine failed {failures} steps in a row: {exc}")
                     failures = 0
                 continue
             except EngineDied as exc:
-                await self._engine_lost(str(exc))
+                await self._engine_lost(slot, str(exc))
                 continue
             failures = 0
             if isinstance(reply, EngineStepDone):
                 returned = time.perf_counter()
-                await self._apply(plan, reply)
+                await self._apply(sched, plan, reply)
+                slot.observe_step(sum(len(r.token_ids) for r in plan.rows), returned - started)
                 self.stats.step(plan, reply.result, (returned - started) * 1e3,
                                 schedule_ms + (time.perf_counter() - returned) * 1e3)
                 if self.cpu is not None:
                     self.cpu.observe(plan, reply.result)
+
+    def migrate(self, key: str, target: int) -> None:
+        """Move request `key` (queued or running) to engine `target` between two of its engine's
+        steps; a running one continues there by recompute from its prompt and streamed tokens."""
+        state = self.requests.get(key)
+        if state is None or not 0 <= target < len(self.slots):
+            raise Rejected(ErrorCode.NOT_FOUND, f"no request {key!r} in flight, or no engine {target}")
+        source = self.slots[state.engine]
+        source.moves.append((key, target))
+        source.work.set()
+
+    def _carry_out_moves(self, slot: EngineSlot) -> None:
+        moves, slot.moves = slot.moves, []
+        for key, target in moves:
+            if self.replicas.migrate(key, slot.index, target) is not None and key in self.requests:
+                self.requests[key].engine = target
+                self.requests[key].migrations += 1
+
+    def _rebalance(self) -> None:
+        """Carry out the router's request-adapter co-migrations (dlora); each moved request is
+        recomputed on its new engine from its prompt and the tokens already streamed."""
+        for migration, seqs in self.replicas.rebalance(self.adapters):
+            for seq in seqs:
+                state = self.requests.get(seq.request_id)
+                if state is not None:
+                    state.engine = migration.target
+                    state.migrations += 1
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         placed = {p.name for p in plan.place}
@@ -376,8 +383,8 @@ class ServingCore:
                     state.adapter_path = "loaded"
         self.stats.placed(len(plan.place), len(plan.evict))
 
-    async def _apply(self, plan: StepPlan, reply: EngineStepDone) -> None:
-        finished = {seq.request_id: seq.finish_reason for seq in self.scheduler.apply(plan, reply.result)}
+    async def _apply(self, sched, plan: StepPlan, reply: EngineStepDone) -> None:
+        finished = {seq.request_id: seq.finish_reason for seq in sched.apply(plan, reply.result)}
         for row in reply.result.rows:
             state = self.requests.get(row.request_id)
             if state is None:
@@ -428,10 +435,8 @@ class ServingCore:
         self._check_idle()
 
     def _abort(self, key: str) -> None:
-        if self.scheduler is not None:
-            self.scheduler.abort(key)
-        self._pending = [p for p in self._pending if p.request_id != key]
-        self._carried = [s for s in self._carried if s.request_id != key]
+        for slot in self.slots:
+            slot.forget(key)
 
     async def _send(self, identity: bytes, msg: Message) -> None:
         try:
@@ -444,38 +449,45 @@ class ServingCore:
             self._idle.set()
 
     # ---- engine failure -----------------------------------------------------------------------
-    async def _engine_lost(self, reason: str) -> None:
-        """Restart a dead engine; its requests are recomputed from their prompt and the tokens
-        already streamed (up to MAX_ENGINE_RETRIES times each), so nothing is lost or repeated."""
-        log.error("engine lost: %s", reason)
+    async def _engine_lost(self, slot: EngineSlot, reason: str) -> None:
+        """Restart a dead engine. Its requests go to another healthy engine at once, or wait for
+        this one; either way they are recomputed from their prompt and the tokens already
+        streamed (up to MAX_ENGINE_RETRIES times each), so nothing is lost or repeated."""
+        log.error("engine %d lost: %s", slot.index, reason)
         self.stats.engine_restarts += 1
-        sched, self.scheduler = self.scheduler, None
-        if sched is not None:
-            for seq in list(sched.running) + list(sched.waiting):
-                state = self.requests.get(seq.request_id)
-                if state is None:
-                    continue
-                state.engine_retries += 1
-                if state.engine_retries > MAX_ENGINE_RETRIES:
-                    await self._fail(seq.request_id, ErrorCode.ENGINE_FAILED,
-                                     f"the engine failed {state.engine_retries} times while running this request "
-                                     f"({reason})")
-                else:
-                    self._carried.append(seq)
+        seqs, pending = slot.take_all()
+        for seq in seqs:
+            state = self.requests.get(seq.request_id)
+            if state is None:
+                continue
+            state.engine_retries += 1
+            if state.engine_retries > MAX_ENGINE_RETRIES:
+                await self._fail(seq.request_id, ErrorCode.ENGINE_FAILED,
+                                 f"the engine failed {state.engine_retries} times while running this request "
+                                 f"({reason})")
+                continue
+            target = self.replicas.choose(seq, self.adapters, exclude=slot.index)
+            state.engine = target.index
+            target.adopt_sequence(seq)
+            self.replicas.rerouted += target is not slot
+        for req in pending:
+            target = self.replicas.choose(req, self.adapters, exclude=slot.index)
+            if req.request_id in self.requests:
+                self.requests[req.request_id].engine = target.index
+            target.enqueue(req)
+            self.replicas.rerouted += target is not slot
         delay = 0.5
         while True:
             try:
-                await self._engine_up()
-                log.info("engine restarted")
-                self._work.set()
+                await self._engine_up(slot)
+                log.info("engine %d restarted", slot.index)
                 return
             except (EngineDied, EngineRefused, OSError) as exc:
-                log.error("engine restart failed: %s; retrying in %.1f s", exc, delay)
-                carried, self._carried = self._carried, []
-                for seq in carried:
-                    await self._fail(seq.request_id, ErrorCode.UNAVAILABLE, f"the engine could not be restarted: {exc}")
-                for seq in list(self._pending):
-                    await self._fail(seq.request_id, ErrorCode.UNAVAILABLE, f"the engine could not be restarted: {exc}")
+                log.error("engine %d restart failed: %s; retrying in %.1f s", slot.index, exc, delay)
+                waiting = [s.request_id for s in slot.carried] + [r.request_id for r in slot.pending]
+                slot.carried, slot.pending = [], []
+                for key in waiting:
+                    await self._fail(key, ErrorCode.UNAVAILABLE, f"the engine could not be restarted: {exc}")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
 
@@ -484,13 +496,16 @@ class ServingCore:
         if name in self.adapters:
             raise Rejected(ErrorCode.ALREADY_EXISTS, f"adapter {name!r} is already registered")
         entry = AdapterEntry(name=name, path=path, pinned=pinned)
-        if self.engine.alive():
-            await self._load_into_engine(entry)
-            if entry.state != "ready":
-                raise Rejected(ErrorCode.INVALID_ADAPTER, entry.error or "the engine refused the adapter")
+        for slot in self.slots:
+            if slot.link.alive():
+                await slot.load_adapter(entry)
+                if entry.state != "ready":
+                    raise Rejected(ErrorCode.INVALID_ADAPTER, entry.error or "the engine refused the adapter")
         self.adapters.put(entry)
-        if self.load_mode == "cached" and self.scheduler is not None and entry.state == "ready":
-            self.scheduler.adapters.acquire(name, entry.num_pages)  # placed with the next step, kept for good
+        if self.load_mode == "cached" and entry.state == "ready":
+            for slot in self.slots:  # placed with the next step, kept for good
+                if slot.scheduler is not None:
+                    slot.scheduler.adapters.acquire(name, entry.num_pages)
         return entry
 
     async def remove_adapter(self, name: str) -> None:
@@ -500,45 +515,48 @@ class ServingCore:
         users = [s for s in self.requests.values() if s.msg.adapter == name]
         if users:
             raise Rejected(ErrorCode.INVALID_FIELD, f"adapter {name!r} is used by {len(users)} requests in flight")
-        if self.scheduler is not None:
-            self.scheduler.adapters.forget(name)
         self.adapters.pop(name)
-        if self.engine.alive():
-            try:
-                await self.engine.call(EngineUnloadAdapter(name=name))
-            except EngineRefused as exc:
-                log.warning("engine could not unload %s: %s", name, exc)
+        for slot in self.slots:
+            await slot.unload_adapter(name)
 
     def adapter_list(self) -> list[dict[str, object]]:
-        residency = self.scheduler.adapters if self.scheduler is not None else None
-        return [e.to_wire(resident=bool(residency and residency.is_resident(e.name)),
-                          refs=residency.refs(e.name) if residency else 0) for e in self.adapters.entries()]
+        residencies = [s.scheduler.adapters for s in self.slots if s.scheduler is not None]
+        return [e.to_wire(resident=any(r.is_resident(e.name) for r in residencies),
+                          refs=sum(r.refs(e.name) for r in residencies)) for e in self.adapters.entries()]
 
     def _rank_of(self, name: str) -> int:
         entry = self.adapters.get(name)
         return entry.rank if entry is not None else 0
 
     def snapshot(self) -> dict[str, object]:
-        usage = self.allocator.usage() if self.allocator is not None else None
-        sched = self.scheduler
+        scheds = [s.scheduler for s in self.slots if s.scheduler is not None]
+        usages = [s.allocator.usage() for s in self.slots if s.allocator is not None]
+        first = self.slots[0].scheduler
+
+        def total(key: str) -> int:
+            return sum(u.by_tag.get(key, 0) for u in usages)
+
         return self.stats.snapshot(
-            running=len(sched.running) if sched else 0,
-            waiting=(len(sched.waiting) if sched else 0) + len(self._pending),
-            pool=None if usage is None else {"total": usage.total, "free": usage.free,
-                                             "kv": usage.by_tag.get("kv", 0),
-                                             "adapter": usage.by_tag.get("adapter", 0)},
-            resident_adapters=sched.adapters.resident_names() if sched else [],
-            cache=sched.adapters.snapshot(rank_of=self._rank_of) if sched else None,
+            running=sum(len(s.running) for s in scheds),
+            waiting=sum(len(s.waiting) for s in scheds) + sum(len(s.pending) + len(s.carried) for s in self.slots),
+            pool=None if not usages else {"total": sum(u.total for u in usages), "free": sum(u.free for u in usages),
+                                          "kv": total("kv"), "adapter": total("adapter")},
+            resident_adapters=sorted({n for s in scheds for n in s.adapters.resident_names()}),
+            cache=first.adapters.snapshot(rank_of=self._rank_of) if first is not None else None,
             engine=self.engine.describe(),
+            engines=[slot.describe() for slot in self.slots],
+            router=self.router_name,
+            migrations=self.replicas.migrated,
+            rerouted=self.replicas.rerouted,
             load_mode=self.load_mode,
             cpu_assist=self.cpu.snapshot() if self.cpu is not None else None,
             workers=self.cpu.workers() if self.cpu is not None else [],
             draining=self.draining,
-            preemptions=sched.num_preemptions if sched else 0,
+            preemptions=sum(s.num_preemptions for s in scheds),
             scheduler=self.policy,
-            running_adapters=sorted({s.req.adapter for s in sched.running if s.req.adapter}) if sched else [],
-            waiting_adapters=sorted({s.req.adapter for s in sched.waiting if s.req.adapter}) if sched else [],
-            merged_adapter=sched.merged_adapter if sched else None,
+            running_adapters=sorted({q.req.adapter for s in scheds for q in s.running if q.req.adapter}),
+            waiting_adapters=sorted({q.req.adapter for s in scheds for q in s.waiting if q.req.adapter}),
+            merged_adapter=first.merged_adapter if first is not None else None,
             max_loras_per_batch=self.config.scheduler.max_loras_per_batch,
         )
 

@@ -42,11 +42,14 @@ class EngineSpec:
     host_store_bytes: int = 256 << 20
     exchange_max_tokens: int = 2048
     shm_instance: str | None = None  # names the shared-memory segments (set by the daemon)
+    replica: int = 0  # which of the daemon's engines this is: `cuda` means GPU (replica mod GPU count)
 
     def resolved(self) -> EngineSpec:
         """Replace the `auto` values by what this machine supports; validate the rest."""
         cuda = torch.cuda.is_available()
         device = ("cuda" if cuda else "cpu") if self.device == "auto" else self.device
+        if device == "cuda" and cuda:  # one engine per GPU; more engines than GPUs share them round-robin
+            device = f"cuda:{self.replica % torch.cuda.device_count()}"
         if device.startswith("cuda") and not cuda:
             raise ValueError(f"device={device!r} requested but CUDA is not available")
         if device != "cpu" and not device.startswith("cuda"):

@@ -20,8 +20,10 @@ from zmq.utils.monitor import parse_monitor_message
 
 from loraplex.ipc.client_types import (
     CLIENT_SOCKET_LIMITS,
+    HANDSHAKE_EVENTS,
     PROBE_ID_PREFIX,
     AdapterInfo,
+    ConnectionState,
     GenerateResult,
     Item,
     Liveness,
@@ -35,13 +37,13 @@ from loraplex.ipc.client_types import (
     check_timeout,
     expect,
     generate_request,
-    missing_daemon,
     new_request_id,
     resolve_endpoint,
     send_failed,
     timed_out,
     undecodable_reply,
 )
+from loraplex.ipc.curve import CurveClientKeys, check_tcp_endpoint
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.protocol import (
     AdaptersReply,
@@ -66,7 +68,7 @@ from loraplex.ipc.sockets import AsyncTypedSocket, PeerUnavailable, make_dealer
 log = logging.getLogger(__name__)
 _B = TypeVar("_B", bound="_AsyncBase")
 CONTROL_TIMEOUT_S = 10.0
-_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS
 
 
 class _AsyncTransport:
@@ -76,10 +78,15 @@ class _AsyncTransport:
     """
 
     def __init__(
-        self, endpoint: str, limits: SocketLimits, liveness: Liveness | None, context: zmq.asyncio.Context | None
+        self, endpoint: str, limits: SocketLimits, liveness: Liveness | None, context: zmq.asyncio.Context | None,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._limits = limits
+        if curve is not None:
+            check_tcp_endpoint(endpoint)  # now, not at the first call
+        self._curve = curve
+        self._link = ConnectionState(endpoint, curve is not None)
         self._liveness = liveness
         self._context = context
         self._table = RequestTable()
@@ -91,7 +98,6 @@ class _AsyncTransport:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
-        self._connected = False
 
     def _open(self) -> AsyncTypedSocket:
         loop = asyncio.get_running_loop()
@@ -99,8 +105,9 @@ class _AsyncTransport:
             raise LoraplexError(ErrorCode.UNAVAILABLE, "the client is closed")
         if self._sock is None:
             ctx = self._context if self._context is not None else zmq.asyncio.Context.instance()
-            self._sock = make_dealer(ctx, self.endpoint, limits=self._limits)
-            self._monitor = self._sock.socket.get_monitor_socket(_MONITOR_EVENTS)
+            self._sock = make_dealer(ctx, self.endpoint, limits=self._limits, curve=self._curve,
+                                     monitor_events=_MONITOR_EVENTS)
+            self._monitor = self._sock.monitor
             self._loop = loop
             self._tasks = [
                 loop.create_task(self._read(self._sock)),
@@ -115,7 +122,7 @@ class _AsyncTransport:
     async def start(self, msg: Message, request_id: str, cancellable: bool) -> asyncio.Queue[Item]:
         """Register `request_id` and send `msg`; its replies arrive on the returned queue."""
         self._open()
-        if not self._connected and (reason := missing_daemon(self.endpoint)):
+        if reason := self._link.unreachable():
             raise LoraplexError(ErrorCode.UNAVAILABLE, reason, request_id)
         replies: asyncio.Queue[Item] = asyncio.Queue()
         if self._table.add(request_id, replies.put_nowait, cancellable):
@@ -132,6 +139,8 @@ class _AsyncTransport:
         return replies
 
     async def send(self, msg: Message) -> None:
+        if self._link.refused is not None:  # no connection to send on: it would only wait for SNDTIMEO
+            raise LoraplexError(ErrorCode.UNAVAILABLE, self._link.refused, getattr(msg, "request_id", None))
         try:
             await self._open().send(msg)
         except (PeerUnavailable, ProtocolError) as exc:
@@ -139,7 +148,7 @@ class _AsyncTransport:
 
     async def send_quietly(self, msg: Message) -> None:
         """Best effort, also while closing (cancels, probes)."""
-        if self._sock is None:
+        if self._sock is None or self._link.refused is not None:
             return
         try:
             await self._sock.send(msg)
@@ -206,11 +215,11 @@ class _AsyncTransport:
 
     async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
         while True:
-            event = parse_monitor_message(await monitor.recv_multipart())["event"]
-            if event == zmq.EVENT_CONNECTED:
-                self._connected = True
-            elif event == zmq.EVENT_DISCONNECTED:
-                self._connected = False
+            message = parse_monitor_message(await monitor.recv_multipart())
+            change = self._link.update(message["event"], message["value"])
+            if change == "refused":
+                self._table.fail_all(ErrorCode.UNAVAILABLE, self._link.refused or "")
+            elif change == "lost":
                 await self._fail_in_flight(f"lost the connection to the daemon at {self.endpoint}")
 
     async def _watch_liveness(self, liveness: Liveness) -> None:
@@ -248,11 +257,10 @@ class _AsyncTransport:
             sock.socket.setsockopt(zmq.SNDTIMEO, 0)  # closing must not wait on a full queue
             await asyncio.gather(*self._background, return_exceptions=True)
             await self._fail_in_flight("the client was closed")
-            sock.socket.disable_monitor()
         finally:
             self._sock = None
-            self._monitor.close(linger=0)
-            sock.close()
+            self._monitor = None
+            sock.close()  # and its monitor
 
 
 class AsyncStream:
@@ -350,9 +358,10 @@ class _AsyncBase:
         liveness: Liveness | None = Liveness(),
         limits: SocketLimits = CLIENT_SOCKET_LIMITS,
         context: zmq.asyncio.Context | None = None,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         self.endpoint = resolve_endpoint(endpoint, runtime_dir, self._SOCKET)
-        self._transport = _AsyncTransport(self.endpoint, limits, liveness, context)
+        self._transport = _AsyncTransport(self.endpoint, limits, liveness, context, curve)
 
     async def close(self) -> None:
         """Fail and cancel whatever is in flight, then close the socket. Idempotent."""
@@ -393,8 +402,8 @@ class _AsyncBase:
 
 
 class AsyncClient(_AsyncBase):
-    """asyncio client of the daemon's client socket; arguments as for Client
-    (context: a zmq.asyncio.Context to share, default the process-wide one)."""
+    """asyncio client of the daemon's client socket; arguments (curve included) as for
+    Client (context: a zmq.asyncio.Context to share, default the process-wide one)."""
 
     async def generate(
         self,

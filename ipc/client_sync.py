@@ -21,8 +21,10 @@ from zmq.utils.monitor import recv_monitor_message
 
 from loraplex.ipc.client_types import (
     CLIENT_SOCKET_LIMITS,
+    HANDSHAKE_EVENTS,
     PROBE_ID_PREFIX,
     AdapterInfo,
+    ConnectionState,
     GenerateResult,
     Item,
     Liveness,
@@ -36,13 +38,13 @@ from loraplex.ipc.client_types import (
     check_timeout,
     expect,
     generate_request,
-    missing_daemon,
     new_request_id,
     resolve_endpoint,
     send_failed,
     timed_out,
     undecodable_reply,
 )
+from loraplex.ipc.curve import CurveClientKeys
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.protocol import (
     AdaptersReply,
@@ -67,17 +69,19 @@ from loraplex.ipc.sockets import PeerUnavailable, make_dealer
 log = logging.getLogger(__name__)
 _B = TypeVar("_B", bound="_SyncBase")
 CONTROL_TIMEOUT_S = 10.0
-_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS
 
 
 class _Transport:
     """One DEALER owned by one I/O thread; any thread may start and wait on requests."""
 
     def __init__(
-        self, endpoint: str, limits: SocketLimits, liveness: Liveness | None, context: zmq.Context | None
+        self, endpoint: str, limits: SocketLimits, liveness: Liveness | None, context: zmq.Context | None,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._liveness = liveness
+        self._link = ConnectionState(endpoint, curve is not None)
         self._table = RequestTable()
         self._tracker = LivenessTracker(liveness, time.monotonic())
         self._outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -85,13 +89,9 @@ class _Transport:
         # point of a thread that already holds it.
         self._post_lock = threading.RLock()
         self._closed = False
-        self._connected = False
-        self._sock = make_dealer(context if context is not None else zmq.Context.instance(), endpoint, limits=limits)
-        try:
-            self._monitor = self._sock.socket.get_monitor_socket(_MONITOR_EVENTS)
-        except BaseException:
-            self._sock.close()
-            raise
+        ctx = context if context is not None else zmq.Context.instance()
+        self._sock = make_dealer(ctx, endpoint, limits=limits, curve=curve, monitor_events=_MONITOR_EVENTS)
+        self._monitor = self._sock.monitor
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -105,7 +105,7 @@ class _Transport:
         with self._post_lock:
             if self._closed:
                 raise LoraplexError(ErrorCode.UNAVAILABLE, "the client is closed", request_id)
-            if not self._connected and (reason := missing_daemon(self.endpoint)):
+            if reason := self._link.unreachable():
                 raise LoraplexError(ErrorCode.UNAVAILABLE, reason, request_id)
             if self._table.add(request_id, replies.put, cancellable):
                 self._tracker.became_busy(time.monotonic())
@@ -196,6 +196,10 @@ class _Transport:
             self._send(msg)
 
     def _send(self, msg: Message) -> None:
+        if self._link.refused is not None:  # no connection to send on: it would only wait for SNDTIMEO
+            request_id = getattr(msg, "request_id", None) or ""
+            self._table.fail(request_id, LoraplexError(ErrorCode.UNAVAILABLE, self._link.refused, request_id))
+            return
         try:
             self._sock.send(msg)
         except (PeerUnavailable, ProtocolError) as exc:
@@ -221,11 +225,11 @@ class _Transport:
 
     def _drain_monitor(self) -> None:
         while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)["event"]
-            if event == zmq.EVENT_CONNECTED:
-                self._connected = True
-            elif event == zmq.EVENT_DISCONNECTED:
-                self._connected = False
+            message = recv_monitor_message(self._monitor)
+            change = self._link.update(message["event"], message["value"])
+            if change == "refused":
+                self._table.fail_all(ErrorCode.UNAVAILABLE, self._link.refused or "")
+            elif change == "lost":
                 self._fail_in_flight(f"lost the connection to the daemon at {self.endpoint}")
 
     def _check_liveness(self) -> float | None:
@@ -249,13 +253,11 @@ class _Transport:
             self._sock.socket.setsockopt(zmq.SNDTIMEO, 0)  # closing must not wait on a full queue
             self._flush_outbox()
             self._fail_in_flight("the client was closed")
-            self._sock.socket.disable_monitor()
         except Exception:
             log.exception("loraplex client failed while closing")
             self._table.fail_all(ErrorCode.UNAVAILABLE, "the client was closed")
         finally:
-            self._monitor.close(linger=0)
-            self._sock.close()
+            self._sock.close()  # and its monitor
             os.close(self._wake_r)
             os.close(self._wake_w)
 
@@ -343,9 +345,10 @@ class _SyncBase:
         liveness: Liveness | None = Liveness(),
         limits: SocketLimits = CLIENT_SOCKET_LIMITS,
         context: zmq.Context | None = None,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         self.endpoint = resolve_endpoint(endpoint, runtime_dir, self._SOCKET)
-        self._transport = _Transport(self.endpoint, limits, liveness, context)
+        self._transport = _Transport(self.endpoint, limits, liveness, context, curve)
 
     def close(self) -> None:
         """Fail and cancel whatever is in flight, then close the socket. Idempotent."""
@@ -399,6 +402,9 @@ class Client(_SyncBase):
     liveness: when to give up on a silent daemon (None: only a closed
     connection fails requests early). context: a zmq.Context to share
     (default: the process-wide instance). limits: socket limits and timers.
+    curve: CurveClientKeys for a tcp:// endpoint served with CURVE; a daemon
+    that refuses the handshake fails every request with `unavailable` and the
+    reason (a refused connection is not retried: make a new client).
     """
 
     def generate(
@@ -495,5 +501,5 @@ class AdminClient(_SyncBase):
     def set_policy(
         self, kind: PolicyKind, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S
     ) -> dict[str, object]:
-        """Switch the "scheduler" or "cache" policy to the one called `name`."""
+        """Switch the "scheduler" or "cache" policy, or the engine "router", to the one called `name`."""
         return self._admin(SetPolicyRequest(kind=kind, name=name, request_id=new_request_id()), timeout)

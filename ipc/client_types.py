@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Literal, Mapping, Sequence, TypeVar, Union
 
+import zmq
+
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.messages.client import MAX_DEADLINE_MS
 from loraplex.ipc.protocol import DoneReply, ErrorReply, GenerateRequest, Message, TokenChunk
@@ -28,7 +30,7 @@ PROBE_ID_PREFIX = "lpx-probe-"
 # What a waiting caller receives: a reply for its request id, or a local failure.
 Item = Union[Message, LoraplexError]
 M = TypeVar("M", bound=Message)
-PolicyKind = Literal["scheduler", "cache"]
+PolicyKind = Literal["scheduler", "cache", "router"]
 
 
 def new_request_id(prefix: str = REQUEST_ID_PREFIX) -> str:
@@ -57,6 +59,63 @@ def missing_daemon(endpoint: str) -> str | None:
         f"no loraplex daemon is listening at {endpoint} (the socket file does not exist); "
         "start the daemon, or point the client at it with endpoint= or $LORAPLEX_RUNTIME_DIR"
     )
+
+
+# Monitor events of the security handshake. After a failed one libzmq drops the
+# connection for good, so the client fails fast from then on (see handshake_refusal).
+HANDSHAKE_FAILED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+HANDSHAKE_EVENTS = HANDSHAKE_FAILED_EVENTS | zmq.EVENT_HANDSHAKE_SUCCEEDED
+
+
+def handshake_refusal(endpoint: str, event: int, value: int, curve: bool) -> str:
+    """Why the daemon at `endpoint` would not talk to us, from a failed-handshake
+    monitor event (`value`: the ZAP status or libzmq's protocol error code)."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"the daemon at {endpoint} refused this client's CURVE key (status {value}): "
+                "its public key is not in the daemon's server.tcp_curve_allowed_keys")
+    mismatch = event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+    if not curve:
+        hint = "it requires CURVE" if mismatch else "it probably requires CURVE"
+        return (f"the daemon at {endpoint} refused an unencrypted connection ({hint}: give the client the "
+                "server's public key and a client key pair, e.g. --curve-server-key/--curve-client-key)")
+    if mismatch:
+        return f"the daemon at {endpoint} does not use CURVE on this endpoint; connect without CURVE keys"
+    return f"the CURVE handshake with the daemon at {endpoint} failed: is the server public key the right one?"
+
+
+class ConnectionState:
+    """What a client knows of its connection, from its socket monitor's events.
+    Shared by the sync and async transports; each updates it from one thread or loop."""
+
+    def __init__(self, endpoint: str, curve: bool) -> None:
+        self.endpoint = endpoint
+        self.curve = curve
+        self.connected = False
+        self.refused: str | None = None  # why the daemon refused our handshake (the connection is gone)
+
+    def update(self, event: int, value: int) -> Literal["refused", "lost"] | None:
+        """Apply one event. "refused": fail the requests in flight, nothing to cancel
+        (none reached the daemon); "lost": fail them and cancel them on the daemon."""
+        if event == zmq.EVENT_CONNECTED:
+            self.connected = True
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.refused = None
+        elif event & HANDSHAKE_FAILED_EVENTS:
+            self.connected = False
+            self.refused = handshake_refusal(self.endpoint, event, value, self.curve)
+            return "refused"
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.connected = False
+            return "lost"
+        return None
+
+    def unreachable(self) -> str | None:
+        """Why a new request cannot reach the daemon now (refused, or no socket file), else None."""
+        if self.connected:
+            return None
+        return self.refused or missing_daemon(self.endpoint)
 
 
 def check_timeout(timeout: float | None) -> float | None:

@@ -2,8 +2,9 @@
 
 Owns framing and the Message <-> frames step for ROUTER, DEALER, PUB and SUB
 sockets, in a blocking flavour (TypedSocket) and an asyncio one
-(AsyncTypedSocket), both configured by socket_options.configure. Never
-pickles, never sends raw Python objects, never blocks forever on a send.
+(AsyncTypedSocket), both configured by socket_options.configure (and by curve
+for CURVE keys on tcp:// endpoints). Never pickles, never sends raw Python
+objects, never blocks forever on a send.
 
 Framing (no empty delimiter frame anywhere, so REQ/REP peers are not
 supported):
@@ -24,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from loraplex.ipc.codec import decode, encode
+from loraplex.ipc.curve import CurveKeys
 from loraplex.ipc.errors import ErrorCode, ProtocolError
 from loraplex.ipc.protocol import Message
 from loraplex.ipc.socket_options import (
@@ -108,9 +110,11 @@ class _Base:
     """What both flavours share: kind, limits, endpoint, lifecycle."""
 
     def __init__(
-        self, sock: Any, kind: SocketKind, endpoint: str, *, bind: bool, limits: SocketLimits
+        self, sock: Any, kind: SocketKind, endpoint: str, *, bind: bool, limits: SocketLimits,
+        curve: CurveKeys | None = None, monitor_events: int = 0,
     ) -> None:
         self._sock = sock
+        self._monitor: Any = None
         self.kind = kind
         self.endpoint = endpoint
         self.limits = limits
@@ -118,6 +122,10 @@ class _Base:
         self._bound_file: tuple[int, int] | None = None
         try:
             configure(sock, kind, limits)
+            if curve is not None:
+                curve.apply(sock, endpoint)
+            if monitor_events:  # before connecting, so that no event of the first connection is missed
+                self._monitor = sock.get_monitor_socket(monitor_events)
             if bind:
                 self._bound_path = prepare_ipc_bind(endpoint)
                 sock.bind(endpoint)
@@ -125,6 +133,7 @@ class _Base:
             else:
                 sock.connect(endpoint)
         except BaseException:
+            self._close_monitor()
             sock.close(linger=0)
             raise
 
@@ -134,12 +143,23 @@ class _Base:
         return self._sock
 
     @property
+    def monitor(self) -> Any:
+        """The PAIR socket receiving this socket's `monitor_events` (None without), for pollers."""
+        return self._monitor
+
+    @property
     def closed(self) -> bool:
         return bool(self._sock.closed)
+
+    def _close_monitor(self) -> None:
+        if self._monitor is not None and not self._monitor.closed:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
 
     def close(self) -> None:
         if self._sock.closed:
             return
+        self._close_monitor()
         self._sock.close()
         remove_ipc_file(self._bound_path, self._bound_file)
 
@@ -210,39 +230,52 @@ class AsyncTypedSocket(_Base):
 
 @overload
 def open_socket(
-    ctx: zmq.asyncio.Context, kind: SocketKind, endpoint: str, *, bind: bool, limits: SocketLimits = ...
+    ctx: zmq.asyncio.Context, kind: SocketKind, endpoint: str, *, bind: bool, limits: SocketLimits = ...,
+    curve: CurveKeys | None = ..., monitor_events: int = ...
 ) -> AsyncTypedSocket: ...
 @overload
 def open_socket(
-    ctx: zmq.Context[Any], kind: SocketKind, endpoint: str, *, bind: bool, limits: SocketLimits = ...
+    ctx: zmq.Context[Any], kind: SocketKind, endpoint: str, *, bind: bool, limits: SocketLimits = ...,
+    curve: CurveKeys | None = ..., monitor_events: int = ...
 ) -> TypedSocket: ...
 def open_socket(
-    ctx: Any, kind: SocketKind, endpoint: str, *, bind: bool, limits: SocketLimits = DEFAULT_SOCKET_LIMITS
+    ctx: Any, kind: SocketKind, endpoint: str, *, bind: bool, limits: SocketLimits = DEFAULT_SOCKET_LIMITS,
+    curve: CurveKeys | None = None, monitor_events: int = 0,
 ) -> TypedSocket | AsyncTypedSocket:
     """A configured, bound or connected socket; asyncio flavour for a
-    zmq.asyncio.Context, blocking flavour for a plain zmq.Context."""
+    zmq.asyncio.Context, blocking flavour for a plain zmq.Context. `curve`
+    (tcp:// only) makes it a CURVE server or client with those keys;
+    `monitor_events` (zmq.EVENT_* bits) attaches `.monitor` before connecting."""
     if not isinstance(limits, SocketLimits):
         raise TypeError(f"limits must be SocketLimits, got {type(limits).__name__}")
     cls = AsyncTypedSocket if isinstance(ctx, zmq.asyncio.Context) else TypedSocket
-    return cls(ctx.socket(kind.zmq_type), kind, endpoint, bind=bind, limits=limits)
+    return cls(ctx.socket(kind.zmq_type), kind, endpoint, bind=bind, limits=limits, curve=curve,
+               monitor_events=monitor_events)
 
 
 @overload
-def make_router(ctx: zmq.asyncio.Context, endpoint: str, *, bind: bool = ..., limits: SocketLimits = ...) -> AsyncTypedSocket: ...
+def make_router(ctx: zmq.asyncio.Context, endpoint: str, *, bind: bool = ..., limits: SocketLimits = ...,
+                curve: CurveKeys | None = ...) -> AsyncTypedSocket: ...
 @overload
-def make_router(ctx: zmq.Context[Any], endpoint: str, *, bind: bool = ..., limits: SocketLimits = ...) -> TypedSocket: ...
-def make_router(ctx: Any, endpoint: str, *, bind: bool = True, limits: SocketLimits = DEFAULT_SOCKET_LIMITS) -> Any:
+def make_router(ctx: zmq.Context[Any], endpoint: str, *, bind: bool = ..., limits: SocketLimits = ...,
+                curve: CurveKeys | None = ...) -> TypedSocket: ...
+def make_router(ctx: Any, endpoint: str, *, bind: bool = True, limits: SocketLimits = DEFAULT_SOCKET_LIMITS,
+                curve: CurveKeys | None = None) -> Any:
     """Server side of request/reply: binds by default."""
-    return open_socket(ctx, SocketKind.ROUTER, endpoint, bind=bind, limits=limits)
+    return open_socket(ctx, SocketKind.ROUTER, endpoint, bind=bind, limits=limits, curve=curve)
 
 
 @overload
-def make_dealer(ctx: zmq.asyncio.Context, endpoint: str, *, bind: bool = ..., limits: SocketLimits = ...) -> AsyncTypedSocket: ...
+def make_dealer(ctx: zmq.asyncio.Context, endpoint: str, *, bind: bool = ..., limits: SocketLimits = ...,
+                curve: CurveKeys | None = ..., monitor_events: int = ...) -> AsyncTypedSocket: ...
 @overload
-def make_dealer(ctx: zmq.Context[Any], endpoint: str, *, bind: bool = ..., limits: SocketLimits = ...) -> TypedSocket: ...
-def make_dealer(ctx: Any, endpoint: str, *, bind: bool = False, limits: SocketLimits = DEFAULT_SOCKET_LIMITS) -> Any:
+def make_dealer(ctx: zmq.Context[Any], endpoint: str, *, bind: bool = ..., limits: SocketLimits = ...,
+                curve: CurveKeys | None = ..., monitor_events: int = ...) -> TypedSocket: ...
+def make_dealer(ctx: Any, endpoint: str, *, bind: bool = False, limits: SocketLimits = DEFAULT_SOCKET_LIMITS,
+                curve: CurveKeys | None = None, monitor_events: int = 0) -> Any:
     """Client side of request/reply: connects by default."""
-    return open_socket(ctx, SocketKind.DEALER, endpoint, bind=bind, limits=limits)
+    return open_socket(ctx, SocketKind.DEALER, endpoint, bind=bind, limits=limits, curve=curve,
+                       monitor_events=monitor_events)
 
 
 @overload

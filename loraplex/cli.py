@@ -104,6 +104,9 @@ _SERVE_FLAGS = (
     ("--scheduler", "scheduler.policy", str, "scheduling policy: fcfs, mlq or dlora"),
     ("--ttft-slo-ms", "scheduler.ttft_slo_ms", float, "early-abort requests predicted to miss this TTFT"),
     ("--cache-policy", "scheduler.cache_policy", str, "GPU adapter cache eviction: none, lru, fifo or cost"),
+    ("--engines", "server.engines", int, "engine processes (one per GPU; several may share one for testing)"),
+    ("--router", "scheduler.router", str, "engine router: random, first_fit, most_idle, rank_aware or dlora"),
+    ("--router-profile", "scheduler.router_profile", str, "rank_aware: PERF_BGMV/PERF_MBGMV profile (JSON)"),
     ("--runtime-dir", "server.runtime_dir", str, "directory of the daemon's sockets"),
     ("--state-dir", "server.state_dir", str, "directory of the adapter registry"),
     ("--tcp-listen", "server.tcp_listen", str, "also serve clients on tcp://HOST:PORT"),
@@ -143,8 +146,37 @@ def _runtime_dir_arg(parser: argparse.ArgumentParser) -> None:
                         help="the daemon's runtime directory (default: $LORAPLEX_RUNTIME_DIR or the default one)")
 
 
-def _configure_generate(parser: argparse.ArgumentParser) -> None:
+def _client_args(parser: argparse.ArgumentParser) -> None:
+    """Where the client socket is: the runtime directory, or a tcp:// endpoint (with CURVE keys)."""
+    import os
+
     _runtime_dir_arg(parser)
+    parser.add_argument("--endpoint", default=os.environ.get("LORAPLEX_ENDPOINT"),
+                        help="the daemon's tcp://HOST:PORT (server.tcp_listen) or ipc:// socket "
+                             "(default: $LORAPLEX_ENDPOINT, else the runtime directory's client socket)")
+    parser.add_argument("--curve-server-key", type=Path, default=os.environ.get("LORAPLEX_CURVE_SERVER_KEY"),
+                        metavar="FILE", help="the daemon's CURVE public key (.pub) for a tcp endpoint "
+                                             "(default: $LORAPLEX_CURVE_SERVER_KEY)")
+    parser.add_argument("--curve-client-key", type=Path, default=os.environ.get("LORAPLEX_CURVE_CLIENT_KEY"),
+                        metavar="FILE", help="this client's CURVE secret key (.key, mode 0600) "
+                                             "(default: $LORAPLEX_CURVE_CLIENT_KEY)")
+
+
+def _client(args: argparse.Namespace):
+    """A Client for _client_args; raises ValueError (CurveError) for bad or half-given keys."""
+    from loraplex.ipc.client import Client
+    from loraplex.ipc.curve import CurveClientKeys, CurveError
+
+    curve = None
+    if args.curve_server_key is not None or args.curve_client_key is not None:
+        if args.curve_server_key is None or args.curve_client_key is None:
+            raise CurveError("CURVE needs both --curve-server-key and --curve-client-key")
+        curve = CurveClientKeys.from_files(args.curve_server_key, args.curve_client_key)
+    return Client(args.endpoint, runtime_dir=args.runtime_dir, curve=curve)
+
+
+def _configure_generate(parser: argparse.ArgumentParser) -> None:
+    _client_args(parser)
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--adapter", default=None, help="adapter name (default: the base model)")
     parser.add_argument("--stream", action="store_true", help="print tokens as they are produced")
@@ -159,13 +191,13 @@ def _configure_generate(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from loraplex.ipc.client import Client, LoraplexError
+    from loraplex.ipc.client import LoraplexError
 
     options = dict(adapter=args.adapter, max_tokens=args.max_tokens, temperature=args.temperature,
                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or None,
                    ignore_eos=args.ignore_eos, timeout=args.timeout)
     try:
-        with Client(runtime_dir=args.runtime_dir) as client:
+        with _client(args) as client:
             if args.stream:
                 stream = client.stream(args.prompt, **options)
                 for chunk in stream:
@@ -260,20 +292,65 @@ def _adapters_via_registry(args: argparse.Namespace) -> int:
 
 
 def _configure_stats(parser: argparse.ArgumentParser) -> None:
-    _runtime_dir_arg(parser)
+    _client_args(parser)
 
 
 def _run_stats(args: argparse.Namespace) -> int:
     import json
 
-    from loraplex.ipc.client import Client, LoraplexError
+    from loraplex.ipc.client import LoraplexError
 
     try:
-        with Client(runtime_dir=args.runtime_dir) as client:
+        with _client(args) as client:
             print(json.dumps(client.stats(), indent=2, sort_keys=True))
-    except LoraplexError as exc:
+    except (LoraplexError, ValueError) as exc:
         print(f"loraplex stats: error: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _configure_policy(parser: argparse.ArgumentParser) -> None:
+    _runtime_dir_arg(parser)
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    setter = sub.add_parser("set", help="switch a policy of the running daemon")
+    setter.add_argument("kind", choices=("scheduler", "cache", "router"),
+                        help="scheduler (fcfs, mlq, dlora), cache (none, lru, fifo, cost) or router "
+                             "(random, first_fit, most_idle, rank_aware, dlora)")
+    setter.add_argument("name")
+
+
+def _run_policy(args: argparse.Namespace) -> int:
+    """Switch the scheduling policy, cache policy or engine router at run time (admin socket)."""
+    from loraplex.ipc.client import AdminClient, LoraplexError
+
+    try:
+        with AdminClient(runtime_dir=args.runtime_dir) as admin:
+            detail = admin.set_policy(args.kind, args.name)
+    except LoraplexError as exc:
+        print(f"loraplex policy: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.kind}: {detail.get(args.kind, args.name)}")
+    return 0
+
+
+def _configure_keys(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    gen = sub.add_parser("generate", help="write a CURVE key pair: DIR/NAME.key (secret, 0600) and DIR/NAME.pub")
+    gen.add_argument("dir", type=Path)
+    gen.add_argument("--name", default="loraplex", help="file name stem (default: loraplex)")
+
+
+def _run_keys(args: argparse.Namespace) -> int:
+    """CURVE keys for server.tcp_listen: the server's pair, and one pair per client whose .pub the server allows."""
+    from loraplex.ipc.curve import CurveError, generate_key_pair, read_public_key
+
+    try:
+        pub, key = generate_key_pair(args.dir, args.name)
+    except (CurveError, OSError) as exc:
+        print(f"loraplex keys: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"secret\t{key}")
+    print(f"public\t{pub}\t{read_public_key(pub).decode()}")
     return 0
 
 
@@ -342,6 +419,10 @@ COMMANDS: dict[str, Command] = {
     "adapters": Command(help="list, add, remove or pin adapters", configure=_configure_adapters,
                         run=_run_adapters),
     "stats": Command(help="print the daemon's metrics as JSON", configure=_configure_stats, run=_run_stats),
+    "keys": Command(help="CURVE key pairs for the tcp listener (server.tcp_curve_*) and its clients",
+                    configure=_configure_keys, run=_run_keys),
+    "policy": Command(help="switch the scheduler, cache policy or engine router of the running daemon",
+                      configure=_configure_policy, run=_run_policy),
     "top": Command(help="live admin console: queues, requests, cache, PCIe, workers, engines; admin actions",
                    configure=_configure_top, run=_run_top),
     "gateway": Command(help="OpenAI-compatible HTTP server (completions, chat, models, metrics) over the daemon",

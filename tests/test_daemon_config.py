@@ -272,7 +272,21 @@ def test_config_to_dict_is_plain() -> None:
     assert d["server"]["adapter_dirs"] == ["/a"]  # type: ignore[index]
     assert d["adapters"] == {"x": "/x"}
     assert d["scheduler"] == {"policy": "fcfs", "max_num_seqs": 64, "max_batched_tokens": 2048, "max_loras_per_batch": 64,
-                              "ttft_slo_ms": None, "cluster_adapters": False, "cache_policy": "lru"}
+                              "ttft_slo_ms": None, "cluster_adapters": False, "cache_policy": "lru",
+                              "router": "most_idle", "router_profile": None, "router_kernel": "mbgmv",
+                              "tpt_slo_ms": 36.0, "rebalance_interval_s": 0.2}
+
+
+def test_multi_engine_settings_are_validated() -> None:
+    assert LoraplexConfig(server=ServerSettings(engines=3)).server.engines == 3
+    with pytest.raises(ConfigError, match="server.engines must be positive"):
+        ServerSettings(engines=0)
+    with pytest.raises(ConfigError, match="scheduler.router must be one of"):
+        SchedulerSettings(router="round_robin")
+    with pytest.raises(ConfigError, match="cpu_assist runs one engine"):
+        LoraplexConfig(model=ModelSettings(adapter_load_mode="cpu_assist"), server=ServerSettings(engines=2))
+    cfg = load_config(None, env={"LORAPLEX_SERVER_ENGINES": "2"}, overrides={"scheduler.router": "dlora"})
+    assert (cfg.server.engines, cfg.scheduler.router) == (2, "dlora")
 
 
 def test_direct_construction_validates() -> None:

@@ -289,7 +289,7 @@ REJECTIONS = {
         FIELD,
     ),
     "relative adapter path": (_raw(v=1, type="add_adapter", name="a", path="adapters/a"), FIELD),
-    "bad policy kind": (_raw(v=1, type="set_policy", kind="router", name="x"), FIELD),
+    "bad policy kind": (_raw(v=1, type="set_policy", kind="engine", name="x"), FIELD),
     "drain timeout 0": (_raw(v=1, type="drain", timeout_s=0.0), FIELD),
     "pinned as int": (_raw(v=1, type="pin_adapter", name="a", pinned=1), FIELD),
 }

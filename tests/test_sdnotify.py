@@ -109,3 +109,68 @@ def test_sighup_rereads_the_registry_without_dropping_requests(demo, tmp_path):
     finally:
         assert proc.stop() == 0, proc.log()
         listener.close()
+
+
+def test_watchdog_pings_stop_while_the_loop_is_blocked_and_resume_after(tmp_path):
+    """WATCHDOG=1 comes from an asyncio task: a blocked event loop (or an unhealthy
+    engine) sends none, so systemd's WatchdogSec fires; pings resume once it runs again."""
+    import asyncio
+    import threading
+
+    listener = _listen(tmp_path / "notify.sock")
+    pings: list[float] = []
+    done = threading.Event()
+
+    def receive() -> None:  # timestamps arrivals in another thread, so a blocked loop cannot delay them
+        while not done.is_set():
+            try:
+                if "WATCHDOG=1" in listener.recv(4096).decode().split("\n"):
+                    pings.append(time.monotonic())
+            except socket.timeout:
+                continue
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    notifier = Notifier(env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "200000"})
+    health = ["ok"]
+    marks: dict[str, float] = {}
+
+    def healthy() -> bool:
+        if health[0] == "raise":
+            raise RuntimeError("health check bug")
+        return health[0] == "ok"
+
+    async def phase(name: str, state: str) -> None:
+        health[0] = state
+        marks[name] = time.monotonic()
+        await asyncio.sleep(0.6)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(notifier.watchdog(healthy))
+        await asyncio.sleep(0.6)
+        marks["block"] = time.monotonic()
+        time.sleep(1.0)  # the event loop is blocked: no task runs
+        await phase("unblock", "ok")
+        await phase("unhealthy", "down")
+        await phase("raising", "raise")
+        await phase("recovered", "ok")
+        marks["end"] = time.monotonic()
+        task.cancel()
+
+    try:
+        asyncio.run(scenario())
+        time.sleep(0.2)
+    finally:
+        done.set()
+        receiver.join()
+        listener.close()
+        notifier.close()
+
+    def count(start: float, end: float) -> int:
+        return sum(start <= t < end for t in pings)
+
+    assert count(0, marks["block"]) >= 3, pings  # every 0.1 s while healthy
+    assert count(marks["block"] + 0.05, marks["unblock"]) == 0, "a ping left while the loop was blocked"
+    assert count(marks["unblock"], marks["unhealthy"]) >= 3, "pings did not resume after the loop unblocked"
+    assert count(marks["unhealthy"] + 0.15, marks["recovered"]) == 0, "pings went on while unhealthy"
+    assert count(marks["recovered"], marks["end"] + 0.2) >= 3, "a raising health check stopped the watchdog task"

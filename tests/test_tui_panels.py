@@ -207,11 +207,12 @@ def test_action_parsing():
 
     assert parse(ACTIONS["drain"], {"timeout_s": "12.5"}) == {"timeout_s": 12.5}
     assert parse(ACTIONS["add"], {"name": "sql", "path": "/a/b/../sql"}) == {"name": "sql", "path": "/a/sql"}
+    assert parse(ACTIONS["policy"], {"kind": "router", "name": "dlora"}) == {"kind": "router", "name": "dlora"}
     assert parse(ACTIONS["policy"], {"kind": "cache", "name": "lru"}) == {"kind": "cache", "name": "lru"}
     for action, raw, message in [
         ("drain", {"timeout_s": "0"}, "Timeout"), ("drain", {"timeout_s": "nan"}, "Timeout"),
         ("pin", {"name": ".."}, "Adapter"), ("pin", {"name": " "}, "required"),
-        ("policy", {"kind": "router", "name": "x"}, "one of"),
+        ("policy", {"kind": "engine", "name": "x"}, "one of"),
     ]:
         with pytest.raises(ValueError, match=message):
             parse(ACTIONS[action], raw)

@@ -131,6 +131,27 @@ class BaseScheduler(ABC):
         self._finish(seq, "cancelled")
         return seq
 
+    def detach(self, request_id: str) -> Sequence | None:
+        """Hand a sequence over to another engine (migration): it leaves this scheduler without
+        finishing, its KV pages and adapter reference are released, and the receiver `requeue`s
+        it (recompute from prompt + tokens so far). None when unknown or in the plan in flight."""
+        seq = self._by_id.get(request_id)
+        if seq is None or request_id in self._fed:
+            return None
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+            seq.kv_pages = []  # a preempted sequence's pages were released when it was preempted
+        else:
+            self.running.remove(seq)
+            self._release(seq)
+        del self._by_id[request_id]
+        self._skips.pop(request_id, None)
+        if seq.req.ttft_slo_s is not None:
+            self._own_slo -= 1
+        self._on_finish(seq)
+        seq.status = SeqStatus.WAITING
+        return seq
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -14,7 +14,7 @@ from loraplex.ipc.messages.base import Message, register
 from loraplex.ipc.messages.checks import check_float, check_name, check_optional_request_id, check_path
 
 MAX_DRAIN_TIMEOUT_S = 3600.0
-POLICY_KINDS = ("scheduler", "cache")
+POLICY_KINDS = ("scheduler", "cache", "router")
 
 
 @register
@@ -83,11 +83,11 @@ class DrainRequest(Message):
 @register
 @dataclass(frozen=True, slots=True)
 class SetPolicyRequest(Message):
-    """Switch the scheduling or cache-eviction policy to the one named `name`."""
+    """Switch the scheduling policy, the cache-eviction policy or the engine router to `name`."""
 
     TYPE = "set_policy"
 
-    kind: Literal["scheduler", "cache"]
+    kind: Literal["scheduler", "cache", "router"]
     name: str
     request_id: str | None = None
 

@@ -1,0 +1,229 @@
+"""One engine replica as the serving core drives it: its process link, its
+page allocator and scheduler, the requests waiting for it to (re)start, and
+the measurements the router reads (tokens/s, busy time).
+
+Torch-free. The serving core owns requests and streaming; a slot owns what is
+per engine, so N engines are N slots behind one router.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
+from loraplex.daemon.config import LoraplexConfig
+from loraplex.daemon.engine_link import EngineLink, EngineRefused
+from loraplex.daemon.memory.allocator import PageAllocator
+from loraplex.daemon.memory.geometry import PageGeometry
+from loraplex.daemon.router.snapshot import engine_state
+from loraplex.daemon.router.state import EngineState
+from loraplex.daemon.scheduler.config import SchedulerConfig
+from loraplex.daemon.scheduler.factory import make_scheduler
+from loraplex.daemon.scheduler.sequence import Sequence, SeqRequest
+from loraplex.ipc.protocol import EngineAdapterLoaded, EngineHello, EngineLoadAdapter, EngineStep, EngineUnloadAdapter
+
+log = logging.getLogger("loraplex.daemon")
+# Until an engine has run enough tokens to measure, the router assumes this rate.
+DEFAULT_TOKENS_PER_S = 1000.0
+
+
+class EngineSlot:
+    def __init__(self, index: int, link: EngineLink, config: LoraplexConfig) -> None:
+        self.index = index
+        self.link = link
+        self.config = config
+        self.hello: EngineHello | None = None
+        self.allocator: PageAllocator | None = None
+        self.scheduler = None  # a daemon.scheduler policy, built when the engine is up
+        self.load_mode = "on_demand"
+        self.pending: list[SeqRequest] = []  # routed here while the engine (re)starts
+        self.carried: list[Sequence] = []  # sequences of a dead engine awaiting recompute
+        self.work = asyncio.Event()
+        self.loop_task: asyncio.Task | None = None
+        self.policy_switch: str | None = None
+        self.moves: list[tuple[str, int]] = []  # (request id, target engine), done between two steps
+        self.tokens = 0  # tokens computed (prefill + decode), for the router's rate
+        self.busy_s = 0.0
+        self.steps = 0
+
+    # ---- state ------------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        """Up and scheduling: new requests may be routed here."""
+        return self.scheduler is not None and self.link.alive()
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.busy_s if self.busy_s > 0 and self.tokens >= 64 else DEFAULT_TOKENS_PER_S
+
+    def num_requests(self) -> int:
+        sched = self.scheduler
+        queued = len(self.pending) + len(self.carried)
+        return queued + (len(sched.running) + len(sched.waiting) if sched is not None else 0)
+
+    def state(self, adapters: AdapterTable) -> EngineState:
+        """The router's view of this engine."""
+        hello = self.hello
+        max_seqs = self.config.scheduler.max_num_seqs
+        if self.scheduler is None or hello is None:
+            return EngineState(engine_id=self.index, max_num_seqs=max_seqs, healthy=False)
+
+        def rank_of(name: str) -> int:
+            entry = adapters.get(name)
+            return entry.rank if entry is not None else 0
+
+        def bytes_of(name: str, rank: int) -> int:
+            entry = adapters.get(name)
+            return entry.nbytes if entry is not None else 0
+
+        link = 0.0 if self.load_mode == "cached" else hello.link_bytes_per_s
+        return engine_state(self.index, self.scheduler, rank_of=rank_of, bytes_of=bytes_of, max_num_seqs=max_seqs,
+                            total_pages=hello.num_pages, tokens_per_s=self.tokens_per_s, load_bytes_per_s=link,
+                            healthy=self.healthy)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def enqueue(self, seq: SeqRequest) -> None:
+        """Queue a new request here (held until the engine is up)."""
+        if not self.healthy:
+            self.pending.append(seq)
+            return
+        self.scheduler.add(seq)
+        self.work.set()
+
+    def adopt_sequence(self, seq: Sequence) -> None:
+        """Take over a sequence from another engine (migration or a dead engine): recomputed
+        from its prompt and the tokens already streamed."""
+        if not self.healthy:
+            self.carried.append(seq)
+            return
+        self.scheduler.requeue(seq)
+        self.work.set()
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request wherever it is queued here (cancelled, failed or finished)."""
+        if self.scheduler is not None:
+            self.scheduler.abort(request_id)
+        self.pending = [p for p in self.pending if p.request_id != request_id]
+        self.carried = [s for s in self.carried if s.request_id != request_id]
+
+    def take_all(self) -> tuple[list[Sequence], list[SeqRequest]]:
+        """Everything this engine held when it died: (sequences, requests never scheduled).
+        The scheduler is gone until the engine is up again."""
+        sched, self.scheduler = self.scheduler, None
+        seqs = list(self.carried)
+        if sched is not None:
+            seqs += list(sched.running) + list(sched.waiting)
+        pending, self.pending, self.carried = self.pending, [], []
+        return seqs, pending
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.busy_s += seconds
+        self.steps += 1
+
+    # ---- engine bring-up ----------------------------------------------------------------------
+    async def bring_up(self, adapters: AdapterTable, policy: str, cache_policy: str,
+                       cpu_assist_groups: int) -> EngineHello:
+        """Start the engine process, build the pool and the scheduler, load every adapter;
+        then queue what waited for this engine. Raises EngineDied / EngineRefused."""
+        hello = await self.link.start()
+        self.hello = hello
+        geometry = PageGeometry(kv_dim=hello.kv_dim, page_tokens=hello.page_tokens, max_row_width=hello.page_elems)
+        self.allocator = PageAllocator(hello.num_pages)
+        self.load_mode = hello.load_mode
+        load_groups = cpu_assist_groups if self.load_mode == "cpu_assist" else 1
+        for name, path in hello.demo_adapters.items():  # the built-in demo's adapters, serving without --model
+            if name not in adapters:
+                adapters.put(AdapterEntry(name=name, path=path))
+        scheduler = self.build_scheduler(policy, cache_policy, geometry, hello, load_groups, adapters)
+        for entry in adapters.entries():
+            await self.load_adapter(entry)
+        self.scheduler = scheduler
+        return hello
+
+    def release_waiting(self) -> None:
+        """After bring-up: queue the sequences and requests that waited for this engine."""
+        carried, self.carried = self.carried, []
+        for seq in carried:
+            self.scheduler.requeue(seq)
+        pending, self.pending = self.pending, []
+        for req in pending:
+            self.scheduler.add(req)
+        self.work.set()
+
+    def build_scheduler(self, policy: str, cache_policy: str, geometry: PageGeometry, hello: EngineHello,
+                        load_groups: int, adapters: AdapterTable):
+        sched = self.config.scheduler
+
+        def rank_of(name: str) -> int:
+            return adapters.get(name).rank
+
+        return make_scheduler(
+            policy,
+            SchedulerConfig(max_num_seqs=sched.max_num_seqs, max_batched_tokens=sched.max_batched_tokens,
+                            max_model_len=hello.max_model_len, load_groups=load_groups,
+                            max_loras_per_batch=sched.max_loras_per_batch,
+                            ttft_slo_s=None if sched.ttft_slo_ms is None else sched.ttft_slo_ms / 1e3,
+                            cluster_adapters=sched.cluster_adapters, cache_policy=cache_policy),
+            geometry, self.allocator, adapters.pages, tuple(hello.eos_token_ids), adapter_rank=rank_of,
+        )
+
+    def apply_policy_switch(self, cache_policy: str, adapters: AdapterTable) -> None:
+        """Swap in the policy named by `policy_switch`, between two steps; queues carry over."""
+        name, self.policy_switch = self.policy_switch, None
+        old = self.scheduler
+        if name is None or old is None or self.hello is None:
+            return
+        fresh = self.build_scheduler(name, cache_policy, old.geometry, self.hello, old.config.load_groups, adapters)
+        fresh.adopt(old)
+        self.scheduler = fresh
+        log.info("engine %d: scheduler switched to %s", self.index, name)
+
+    async def load_adapter(self, entry: AdapterEntry) -> None:
+        """Have the engine read and validate the adapter; the entry records what it reported."""
+        try:
+            reply = await self.link.call(EngineLoadAdapter(name=entry.name, path=entry.path))
+        except EngineRefused as exc:
+            entry.failed(str(exc))
+            log.warning("adapter %s failed to load on engine %d: %s", entry.name, self.index, exc)
+            return
+        if isinstance(reply, EngineAdapterLoaded):
+            entry.loaded(reply)
+
+    async def unload_adapter(self, name: str) -> None:
+        if self.scheduler is not None:
+            self.scheduler.adapters.forget(name)
+        if self.link.alive():
+            try:
+                await self.link.call(EngineUnloadAdapter(name=name))
+            except EngineRefused as exc:
+                log.warning("engine %d could not unload %s: %s", self.index, name, exc)
+
+    async def preload(self, adapters: AdapterTable) -> None:
+        """cached mode: every ready adapter is placed once and never evicted (its reference is kept)."""
+        for entry in adapters.entries():
+            if entry.state == "ready" and not self.scheduler.adapters.is_resident(entry.name):
+                if not self.scheduler.adapters.acquire(entry.name, entry.num_pages):
+                    log.warning("cached mode: no pool room for adapter %s on engine %d; it will load on demand",
+                                entry.name, self.index)
+        await self.flush_placements()
+
+    async def flush_placements(self) -> None:
+        """Send pending adapter placements (no rows) when no step is in flight."""
+        plan = self.scheduler.placement_plan()
+        if plan is not None:
+            await self.link.call(EngineStep(plan=plan))
+
+    def describe(self) -> dict[str, object]:
+        info = self.link.describe()
+        usage = self.allocator.usage() if self.allocator is not None else None
+        sched = self.scheduler
+        info.update({
+            "healthy": self.healthy, "steps": self.steps, "tokens": self.tokens,
+            "tokens_per_s": self.tokens / self.busy_s if self.busy_s > 0 else 0.0,
+            "running": len(sched.running) if sched else 0,
+            "waiting": (len(sched.waiting) if sched else 0) + len(self.pending) + len(self.carried),
+            "pool_used_pct": None if usage is None or not usage.total else (usage.total - usage.free) / usage.total * 100,
+            "resident_adapters": len(sched.adapters.resident_names()) if sched else 0,
+        })
+        return info
+
