@@ -25,6 +25,9 @@ class AdapterEntry:
     requests: int = 0
     scaling: float = 1.0
     store_entry: object | None = None  # ipc.adapter_store.StoreEntry when the engine keeps a host store
+    content_hash: str = ""  # SHA-256 of its files when loaded (daemon.adapter_hash)
+    fingerprint: tuple = ()  # file sizes and mtimes when hashed: a cheap "did the files change?"
+    replacing: bool = False  # new weights are being swapped in; new requests wait
 
     def loaded(self, info: EngineAdapterLoaded) -> None:
         self.state = "ready"
@@ -45,6 +48,7 @@ class AdapterEntry:
             "name": self.name, "path": self.path, "rank": self.rank, "target_modules": list(self.target_modules),
             "state": self.state, "pinned": self.pinned, "pages": self.num_pages, "bytes": self.nbytes,
             "resident": resident, "refs": refs, "requests": self.requests,
+            "content_hash": self.content_hash[:16],
         }
         if self.error:
             entry["error"] = self.error[:500]

@@ -179,11 +179,15 @@ async def reload(core: ServingCore, registry: AdapterRegistry, notifier: Notifie
         demo = set(core.hello.demo_adapters) if core.hello else set()
         records = {r.name: r for r in registry.list()}
         for name, record in records.items():
-            if name not in core.adapters:
-                try:
+            try:
+                if name not in core.adapters:
                     await core.add_adapter(name, record.path, record.pinned)
-                except Exception as exc:  # one bad entry must not stop the reload
-                    log.warning("reload: adapter %s not added: %s", name, exc)
+                elif core.files_changed(name, record.path):  # new path or rewritten files
+                    _, changed = await core.replace_adapter(name, record.path)
+                    if changed:
+                        log.info("reload: adapter %s has new weights", name)
+            except Exception as exc:  # one bad entry must not stop the reload
+                log.warning("reload: adapter %s not added or replaced: %s", name, exc)
         for entry in core.adapters.entries():
             if entry.name not in records and entry.name not in demo:
                 try:

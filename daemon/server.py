@@ -116,10 +116,15 @@ class Dispatcher:
         try:
             if isinstance(msg, AddAdapterRequest):
                 path = str(check_adapter_path(msg.path, self.allowed_roots))
-                entry = await self.core.add_adapter(msg.name, path)
+                changed = True
+                if msg.replace:
+                    entry, changed = await self.core.replace_adapter(msg.name, path)
+                else:
+                    entry = await self.core.add_adapter(msg.name, path)
                 self.registry.add(msg.name, path, rank=entry.rank, target_modules=entry.target_modules,
-                                  source="admin")
-                return AdminOkReply(detail={"adapter": entry.to_wire(resident=False, refs=0)}, request_id=rid)
+                                  source="admin", replace=msg.replace)
+                return AdminOkReply(detail={"adapter": entry.to_wire(resident=False, refs=0), "changed": changed},
+                                    request_id=rid)
             if isinstance(msg, RemoveAdapterRequest):
                 await self.core.remove_adapter(msg.name)
                 self.registry.remove(msg.name)

@@ -21,6 +21,7 @@ from loraplex.daemon.detokenizer import IncrementalDetokenizer, StopStringMatche
 from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
 from loraplex.daemon.engine_slot import EngineSlot
 from loraplex.daemon.replicas import Replicas, build_router
+from loraplex.daemon.serving_adapters import AdapterAdmin, Rejected
 from loraplex.daemon.router import ROUTERS
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.request_state import ClientRequest
@@ -48,16 +49,7 @@ MAX_STEP_FAILURES = 3
 MAX_ENGINE_RETRIES = 2
 
 
-class Rejected(Exception):
-    """A request or admin order is refused with a stable error code."""
-
-    def __init__(self, code: ErrorCode | str, message: str) -> None:
-        super().__init__(message)
-        self.code = ErrorCode(code).value
-        self.message = message
-
-
-class ServingCore:
+class ServingCore(AdapterAdmin):
     def __init__(self, config: LoraplexConfig, engines: EngineLink | SequenceOf[EngineLink], send: Send,
                  make_cpu_pool: Callable[[], object] | None = None) -> None:
         self.config = config
@@ -81,6 +73,8 @@ class ServingCore:
         self._idle = asyncio.Event()
         self._idle.set()
         self._per_client: dict[bytes, int] = {}  # identity -> requests in flight
+        self._held: dict[str, list[SeqRequest]] = {}  # adapter being replaced -> requests waiting for it
+        self._departed = asyncio.Event()  # set whenever a request leaves
 
     # The first engine, for callers that think of one engine (the watchdog, single-engine tests).
     @property
@@ -113,6 +107,7 @@ class ServingCore:
             raise failure
         for slot in self.slots:
             slot.loop_task = asyncio.create_task(self._step_loop(slot), name=f"step-loop-{slot.index}")
+        await self.hash_adapters()
 
     async def _engine_up(self, slot: EngineSlot) -> None:
         hello = await slot.bring_up(self.adapters, self.policy, self.cache_policy, self.config.model.load_groups)
@@ -236,18 +231,21 @@ class ServingCore:
         self.requests[key] = state
         self._per_client[identity] = per_client + 1
         self._idle.clear()
-        slot = self.replicas.choose(seq, self.adapters)
-        try:
-            slot.enqueue(seq)
-        except CapacityError as exc:
-            del self.requests[key]
-            self._client_done(identity)
-            self._check_idle()
-            raise Rejected(ErrorCode.TOO_LARGE, str(exc)) from None
-        state.engine = slot.index
+        if msg.adapter is not None and self.adapters.get(msg.adapter).replacing:
+            self._held.setdefault(msg.adapter, []).append(seq)  # routed once the new weights are in
+        else:
+            slot = self.replicas.choose(seq, self.adapters)
+            try:
+                slot.enqueue(seq)
+            except CapacityError as exc:
+                del self.requests[key]
+                self._client_done(identity)
+                self._check_idle()
+                raise Rejected(ErrorCode.TOO_LARGE, str(exc)) from None
+            state.engine = slot.index
+            if msg.adapter is not None and slot.scheduler is not None:
+                slot.scheduler.adapters.note_arrival(msg.adapter)
         self.stats.accepted(msg.adapter)
-        if msg.adapter is not None and slot.scheduler is not None:
-            slot.scheduler.adapters.note_arrival(msg.adapter)
         if msg.adapter is not None:
             self.adapters.get(msg.adapter).requests += 1
         if msg.deadline_ms is not None:
@@ -437,6 +435,8 @@ class ServingCore:
     def _abort(self, key: str) -> None:
         for slot in self.slots:
             slot.forget(key)
+        for name, held in self._held.items():
+            self._held[name] = [seq for seq in held if seq.request_id != key]
 
     async def _send(self, identity: bytes, msg: Message) -> None:
         try:
@@ -445,6 +445,7 @@ class ServingCore:
             await self.client_gone(identity)
 
     def _check_idle(self) -> None:
+        self._departed.set()
         if not self.requests:
             self._idle.set()
 
@@ -490,39 +491,6 @@ class ServingCore:
                     await self._fail(key, ErrorCode.UNAVAILABLE, f"the engine could not be restarted: {exc}")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
-
-    # ---- adapters ---------------------------------------------------------------------------
-    async def add_adapter(self, name: str, path: str, pinned: bool = False) -> AdapterEntry:
-        if name in self.adapters:
-            raise Rejected(ErrorCode.ALREADY_EXISTS, f"adapter {name!r} is already registered")
-        entry = AdapterEntry(name=name, path=path, pinned=pinned)
-        for slot in self.slots:
-            if slot.link.alive():
-                await slot.load_adapter(entry)
-                if entry.state != "ready":
-                    raise Rejected(ErrorCode.INVALID_ADAPTER, entry.error or "the engine refused the adapter")
-        self.adapters.put(entry)
-        if self.load_mode == "cached" and entry.state == "ready":
-            for slot in self.slots:  # placed with the next step, kept for good
-                if slot.scheduler is not None:
-                    slot.scheduler.adapters.acquire(name, entry.num_pages)
-        return entry
-
-    async def remove_adapter(self, name: str) -> None:
-        entry = self.adapters.get(name)
-        if entry is None:
-            raise Rejected(ErrorCode.NOT_FOUND, f"unknown adapter {name!r}")
-        users = [s for s in self.requests.values() if s.msg.adapter == name]
-        if users:
-            raise Rejected(ErrorCode.INVALID_FIELD, f"adapter {name!r} is used by {len(users)} requests in flight")
-        self.adapters.pop(name)
-        for slot in self.slots:
-            await slot.unload_adapter(name)
-
-    def adapter_list(self) -> list[dict[str, object]]:
-        residencies = [s.scheduler.adapters for s in self.slots if s.scheduler is not None]
-        return [e.to_wire(resident=any(r.is_resident(e.name) for r in residencies),
-                          refs=sum(r.refs(e.name) for r in residencies)) for e in self.adapters.entries()]
 
     def _rank_of(self, name: str) -> int:
         entry = self.adapters.get(name)

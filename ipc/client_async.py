@@ -459,9 +459,9 @@ class AsyncAdminClient(_AsyncBase):
         return dict((await self._call(msg, AdminOkReply, timeout)).detail)
 
     async def add_adapter(
-        self, name: str, path: str | os.PathLike[str], *, timeout: float | None = 120.0
+        self, name: str, path: str | os.PathLike[str], *, replace: bool = False, timeout: float | None = 120.0
     ) -> dict[str, object]:
-        msg = AddAdapterRequest(name=name, path=os.fspath(path), request_id=new_request_id())
+        msg = AddAdapterRequest(name=name, path=os.fspath(path), replace=replace, request_id=new_request_id())
         return await self._admin(msg, timeout)
 
     async def remove_adapter(self, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:

@@ -476,10 +476,12 @@ class AdminClient(_SyncBase):
         return dict(self._call(msg, AdminOkReply, timeout).detail)
 
     def add_adapter(
-        self, name: str, path: str | os.PathLike[str], *, timeout: float | None = 120.0
+        self, name: str, path: str | os.PathLike[str], *, replace: bool = False, timeout: float | None = 120.0
     ) -> dict[str, object]:
-        """Register the adapter at `path` (absolute, on the daemon's host) as `name`."""
-        return self._admin(AddAdapterRequest(name=name, path=os.fspath(path), request_id=new_request_id()), timeout)
+        """Register the adapter at `path` (absolute, on the daemon's host) as `name`; `replace`: give an
+        existing `name` these weights (detail["changed"] says whether its content differed)."""
+        msg = AddAdapterRequest(name=name, path=os.fspath(path), replace=replace, request_id=new_request_id())
+        return self._admin(msg, timeout)
 
     def remove_adapter(self, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
         return self._admin(RemoveAdapterRequest(name=name, request_id=new_request_id()), timeout)

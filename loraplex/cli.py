@@ -225,6 +225,8 @@ def _configure_adapters(parser: argparse.ArgumentParser) -> None:
     add = sub.add_parser("add", help="register an adapter (PEFT directory)")
     add.add_argument("name")
     add.add_argument("path", type=Path)
+    add.add_argument("--replace", action="store_true",
+                     help="give an existing adapter of this name the new weights (cached copies are invalidated)")
     rm = sub.add_parser("rm", help="unregister an adapter")
     rm.add_argument("name")
     for action in ("pin", "unpin"):
@@ -252,8 +254,11 @@ def _adapters_via_daemon(admin, args: argparse.Namespace) -> int:
         for a in admin.adapters():
             print(f"{a.name}\trank={a.rank}\t{a.state}\t{a.path}")
     elif args.action == "add":
-        admin.add_adapter(args.name, str(args.path.resolve()))
-        print(f"added {args.name}")
+        detail = admin.add_adapter(args.name, str(args.path.resolve()), replace=args.replace)
+        if args.replace:
+            print(f"replaced {args.name}" if detail.get("changed") else f"{args.name}: same weights, kept")
+        else:
+            print(f"added {args.name}")
     elif args.action == "rm":
         admin.remove_adapter(args.name)
         print(f"removed {args.name}")
@@ -277,7 +282,7 @@ def _adapters_via_registry(args: argparse.Namespace) -> int:
                 if not (args.path / "adapter_config.json").is_file():
                     print(f"loraplex adapters: error: {args.path} has no adapter_config.json", file=sys.stderr)
                     return 1
-                registry.add(args.name, str(args.path.resolve()), source="cli")
+                registry.add(args.name, str(args.path.resolve()), source="cli", replace=args.replace)
                 print(f"added {args.name} (validated when the daemon starts)")
             elif args.action == "rm":
                 registry.remove(args.name)

@@ -485,6 +485,59 @@ def test_cache_hits_reload_by_name_and_eviction_under_kv_pressure(daemon, demo, 
     shutil.rmtree(new_dir)
 
 
+def test_replace_in_place_finishes_running_requests_on_old_weights_then_serves_new(daemon, demo, tmp_path):
+    import json
+    import shutil
+
+    from loraplex.gpu_engine.demo import write_random_adapter
+
+    live, fresh = tmp_path / "live", tmp_path / "fresh"
+    shutil.copytree(demo.adapters["rslora-r16"], live)
+    config = json.loads((demo.model_dir / "config.json").read_text())
+    write_random_adapter(fresh, config, rank=8, alpha=16, target_modules=["q_proj", "v_proj"], seed=4242)
+    prompt = [21, 22, 23, 24, 25]
+    llm = LLM(demo.model_dir, num_pages=200)
+    llm.add_adapter("old", live)
+    llm.add_adapter("new", fresh)
+    sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    old_ref, new_ref = (o.token_ids for o in llm.generate([prompt, prompt], adapters=["old", "new"], sampling=sampling))
+    assert old_ref != new_ref
+    with AdminClient(runtime_dir=daemon.runtime_dir) as admin:
+        admin.add_adapter("inplace", str(live))
+    replies: list[dict] = []
+    with daemon.client() as client:
+        stream = client.stream(prompt, adapter="inplace", max_tokens=24, temperature=0.0, ignore_eos=True,
+                               timeout=120)
+        chunks = []
+        for chunk in stream:
+            chunks.append(chunk)
+            if len(chunks) == 2:  # rewrite the files at the same path, then replace while the stream runs
+                for name in ("adapter_config.json", "adapter_model.safetensors"):
+                    shutil.copyfile(fresh / name, live / name)
+
+                def replace() -> None:
+                    with AdminClient(runtime_dir=daemon.runtime_dir) as admin:
+                        replies.append(admin.add_adapter("inplace", str(live), replace=True))
+
+                replacer = threading.Thread(target=replace)
+                replacer.start()
+        replacer.join(60)
+        after = client.generate(prompt, adapter="inplace", max_tokens=24, temperature=0.0, ignore_eos=True,
+                                timeout=120)
+    with AdminClient(runtime_dir=daemon.runtime_dir) as admin:
+        unchanged = admin.add_adapter("inplace", str(live), replace=True)
+    with daemon.client() as client:
+        cached = client.generate(prompt, adapter="inplace", max_tokens=24, temperature=0.0, ignore_eos=True,
+                                 timeout=120)
+    with AdminClient(runtime_dir=daemon.runtime_dir) as admin:
+        admin.remove_adapter("inplace")
+    assert [t for c in chunks for t in c.token_ids] == old_ref, "a running request switched weights mid-stream"
+    assert replies and replies[0]["changed"] is True
+    assert after.token_ids == new_ref, "a stale cached copy was served after the replacement"
+    assert unchanged["changed"] is False and cached.token_ids == new_ref
+    assert cached.timings["adapter_path"] == "cached"
+
+
 def test_eviction_under_kv_pressure_keeps_outputs_correct(demo, tmp_path):
     # A pool barely larger than one adapter plus one request: adapters must be evicted for KV and reloaded.
     names = ["all-r32", "mlp-r64", "attn-r16", "all-r32", "mlp-r64"]

@@ -209,3 +209,55 @@ def test_unknown_router_is_refused_and_the_old_one_stays():
 
     err, name = asyncio.run(run())
     assert err.code == "invalid_field" and name == "rank_aware"
+
+
+def _write_adapter(path, content: bytes):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text('{"r": 8}')
+    (path / "adapter_model.safetensors").write_bytes(content)
+    return str(path)
+
+
+def test_replacing_an_adapter_waits_for_its_users_holds_new_requests_and_skips_same_content(tmp_path):
+    old_dir = _write_adapter(tmp_path / "old", b"old weights")
+    new_dir = _write_adapter(tmp_path / "new", b"new weights")
+    same_dir = _write_adapter(tmp_path / "same", b"new weights")
+
+    async def run():
+        core, engines, rec = make_core(2)
+        await start(core)
+        await core.add_adapter("live", old_dir)
+        loads: list[str] = []
+        for engine in engines:
+            real = engine.call
+
+            async def spy(order, timeout_s=None, real=real):
+                if order.TYPE == "engine_load_adapter":
+                    loads.append(order.name)
+                return await real(order, timeout_s)
+
+            engine.call = spy
+        await core.submit(b"client", GenerateRequest(request_id="long", prompt_token_ids=[7] * 8, adapter="live",
+                                                     max_tokens=40, ignore_eos=True, stream=True))
+        while len(rec.tokens.get("long", [])) < 3:
+            await asyncio.sleep(0.001)
+        replacing = asyncio.ensure_future(core.replace_adapter("live", new_dir))
+        while not core.adapters.get("live").replacing:
+            await asyncio.sleep(0.001)
+        await core.submit(b"client", GenerateRequest(request_id="held", prompt_token_ids=[9] * 8, adapter="live",
+                                                     max_tokens=4, ignore_eos=True, stream=True))
+        held_while_replacing = [s.request_id for s in core._held.get("live", [])]
+        assert not replacing.done()
+        entry, changed = await replacing
+        long_done_first = "long" in rec.done
+        await wait_for(rec, ["long", "held"])
+        again = await core.replace_adapter("live", same_dir)
+        await core.stop()
+        return entry, changed, again, held_while_replacing, long_done_first, loads, rec
+
+    entry, changed, again, held, long_first, loads, rec = asyncio.run(run())
+    assert changed and long_first, "the replacement waits until the old weights' users finished"
+    assert held == [b"client".hex() + "/held"] and rec.tokens["held"] == expected("held", 4)
+    assert rec.tokens["long"] == expected("long", 40)
+    assert loads.count("live.replacing") == 1 and loads.count("live") == 2, loads  # probe, then each engine
+    assert again == (entry, False) and entry.path == same_dir, "same content: nothing reloaded"

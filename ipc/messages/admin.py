@@ -20,13 +20,15 @@ POLICY_KINDS = ("scheduler", "cache", "router")
 @register
 @dataclass(frozen=True, slots=True)
 class AddAdapterRequest(Message):
-    """Register the adapter at `path` (absolute, on the daemon's host) as `name`."""
+    """Register the adapter at `path` (absolute, on the daemon's host) as `name`; with `replace`,
+    an adapter already called `name` gets the new weights (every cached copy is invalidated)."""
 
     TYPE = "add_adapter"
 
     name: str
     path: str
     request_id: str | None = None
+    replace: bool = False
 
     def validate(self) -> None:
         check_name("name", self.name)
