@@ -21,6 +21,7 @@ from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
 from loraplex.daemon.registry import AdapterRegistry, RegistryError, check_adapter_path
 from loraplex.daemon.sdnotify import Notifier
 from loraplex.daemon.server import Dispatcher, Listener, probe_quiet_clients, publish_stats
+from loraplex.daemon.replicas import build_router
 from loraplex.daemon.serving import ServingCore
 from loraplex.ipc.codec import DecodeLimits
 from loraplex.ipc.curve import CurveError, load_server_keys, start_authenticator
@@ -44,6 +45,11 @@ async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = No
                      reload_config: Callable[[], LoraplexConfig] | None = None) -> int:
     """Serve until stopped. `engine_factory` is EngineLink's signature; tests and the
     overhead benchmark inject a stub there to measure the control plane alone."""
+    try:
+        build_router(config.scheduler.router, config.scheduler)  # e.g. rank_aware's profile file
+    except (OSError, ValueError) as exc:
+        log.error("cannot start router %s: %s", config.scheduler.router, exc)
+        return 2
     runtime_dir = ensure_runtime_dir(config.server.resolved_runtime_dir)
     eps = endpoints(runtime_dir)
     registry = AdapterRegistry(config.server.registry_path)

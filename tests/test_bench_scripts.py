@@ -113,3 +113,34 @@ def test_page_waste_json(tmp_path: Path) -> None:
             assert all(is_waste(a["waste"]) for a in rp["adapter"].values())
     # Llama-2-7B: q/v rows are 4096 wide and a 16-token page holds 32 of them exactly.
     assert models["llama-2-7b"]["geometries"][0]["adapter"]["qv"]["8"]["waste"] == 0.0
+
+
+def test_decode_profile_fits_and_writes_a_profile_the_router_reads(cache: Path, tmp_path: Path) -> None:
+    from loraplex.daemon.router import PerfProfile
+
+    out = tmp_path / "perf.json"
+    report = run_json("decode_profile.py", ["--shape", "tiny", "--batches", "1", "3", "--ranks", "4", "8",
+                                            "--distinct", "3", "--fit-distinct", "2", "--steps", "2",
+                                            "--context", "8", "--profile-out", str(out)], cache)
+    assert report["overhead"]["distinct_adapters"] == 3 and positive(report["overhead"]["base_step_ms"])
+    assert len(report["samples"]["bgmv"]) == 2 * 3  # batches x (each rank + the mixed batch)
+    profile = PerfProfile.load(out)
+    for kernel in ("bgmv", "mbgmv"):
+        fit = report["fits"][kernel]
+        assert getattr(profile, kernel).r2 == fit["r2"] and fit["r2"] <= 1.0
+        assert getattr(profile, kernel).alpha == max(fit["alpha"], 0.0)
+
+
+def test_least_squares_fit_recovers_a_known_line_and_refuses_one_point() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        from decode_profile import fit_line
+    finally:
+        sys.path.pop(0)
+    xs = [8.0, 64.0, 256.0, 1024.0, 4096.0]
+    fit = fit_line(xs, [0.0125 * x + 7.5 for x in xs])
+    assert math.isclose(fit["alpha"], 0.0125) and math.isclose(fit["beta"], 7.5) and math.isclose(fit["r2"], 1.0)
+    noisy = fit_line(xs, [0.0125 * x + 7.5 + (3.0 if i % 2 else -3.0) for i, x in enumerate(xs)])
+    assert 0.0 < noisy["r2"] < 1.0
+    with pytest.raises(ValueError):
+        fit_line([4.0, 4.0], [1.0, 2.0])

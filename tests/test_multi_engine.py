@@ -261,3 +261,21 @@ def test_replacing_an_adapter_waits_for_its_users_holds_new_requests_and_skips_s
     assert rec.tokens["long"] == expected("long", 40)
     assert loads.count("live.replacing") == 1 and loads.count("live") == 2, loads  # probe, then each engine
     assert again == (entry, False) and entry.path == same_dir, "same content: nothing reloaded"
+
+
+def test_rank_aware_reads_the_profile_file_and_a_bad_one_stops_the_daemon_cleanly(tmp_path):
+    from loraplex.daemon.main import run_daemon
+    from loraplex.daemon.router import KernelCost, PerfProfile
+
+    path = tmp_path / "perf.json"
+    PerfProfile(bgmv=KernelCost(0.5, 1.0, r2=0.99), mbgmv=KernelCost(0.25, 2.0, r2=0.98)).save(path)
+    core, _, _ = make_core(2, **{"scheduler.router": "rank_aware", "scheduler.router_profile": str(path),
+                                 "scheduler.router_kernel": "bgmv", "scheduler.tpt_slo_ms": 50.0})
+    router = core.replicas.router
+    assert router.profile == PerfProfile.load(path) and router.kernel == "bgmv" and router.slo_ms == 50.0
+    path.write_text('{"bgmv": {"alpha": -1, "beta": 0}}')
+    config = load_config(None, env={}, overrides={"scheduler.router": "rank_aware",
+                                                  "scheduler.router_profile": str(path),
+                                                  "server.runtime_dir": str(tmp_path / "rt"),
+                                                  "server.state_dir": str(tmp_path / "state")})
+    assert asyncio.run(run_daemon(config, engine_factory=FakeEngine)) == 2

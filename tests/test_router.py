@@ -56,8 +56,13 @@ def test_profile_file_round_trip_and_validation(tmp_path) -> None:
     assert profile.step_ms("mbgmv", [8, 64]) == 0.02 * 72 + 3.0
     path.write_text('{"mbgmv": {"alpha": 0.5, "beta": 1}}')
     assert PerfProfile.load(path) == PerfProfile(mbgmv=KernelCost(0.5, 1.0))  # bgmv keeps its default
+    fitted = PerfProfile(bgmv=KernelCost(0.01, 2.0, r2=0.97))  # written by bench/decode_profile.py
+    fitted.save(path)
+    assert json.loads(path.read_text())["bgmv"] == {"alpha": 0.01, "beta": 2.0, "r2": 0.97}
+    assert PerfProfile.load(path) == fitted
     for bad in ('{"sgmv": {"alpha": 1, "beta": 1}}', '{"bgmv": {"alpha": 1}}', '{"bgmv": {"alpha": -1, "beta": 0}}',
-                '{"bgmv": {"alpha": "1", "beta": 0}}', "[1]", "{not json"):
+                '{"bgmv": {"alpha": "1", "beta": 0}}', '{"bgmv": {"alpha": 1, "beta": 0, "r2": 1.5}}',
+                '{"bgmv": {"alpha": 1, "beta": 0, "rsq": 1}}', "[1]", "{not json"):
         path.write_text(bad)
         with pytest.raises(ValueError):
             PerfProfile.load(path)

@@ -40,12 +40,16 @@ KERNELS: tuple[str, ...] = ("bgmv", "mbgmv")
 class KernelCost:
     alpha: float  # ms per rank unit (BGMV: per request·max rank, MBGMV: per summed rank)
     beta: float  # ms, fixed cost of a step
+    r2: float | None = None  # goodness of the fit it came from (bench/decode_profile.py); None: not fitted
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"kernel cost {name} must be a finite number >= 0, got {value!r}")
+        if self.r2 is not None and (isinstance(self.r2, bool) or not isinstance(self.r2, (int, float))
+                                    or not math.isfinite(self.r2) or self.r2 > 1):
+            raise ValueError(f"kernel cost r2 must be a finite number <= 1, got {self.r2!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +68,11 @@ class PerfProfile:
         raise ValueError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
 
     def to_dict(self) -> dict[str, dict[str, float]]:
-        return {k: {"alpha": getattr(self, k).alpha, "beta": getattr(self, k).beta} for k in KERNELS}
+        out: dict[str, dict[str, float]] = {}
+        for k in KERNELS:
+            cost = getattr(self, k)
+            out[k] = {"alpha": cost.alpha, "beta": cost.beta, **({} if cost.r2 is None else {"r2": cost.r2})}
+        return out
 
     @classmethod
     def from_dict(cls, raw: object) -> PerfProfile:
@@ -76,9 +84,9 @@ class PerfProfile:
             raise ValueError(f"unknown kernels in profile: {unknown}; expected {list(KERNELS)}")
         costs = {}
         for kernel, entry in raw.items():
-            if not isinstance(entry, dict) or set(entry) != {"alpha", "beta"}:
-                raise ValueError(f"profile entry {kernel!r} must be {{\"alpha\": ..., \"beta\": ...}}")
-            costs[kernel] = KernelCost(alpha=entry["alpha"], beta=entry["beta"])
+            if not isinstance(entry, dict) or not {"alpha", "beta"} <= set(entry) <= {"alpha", "beta", "r2"}:
+                raise ValueError(f"profile entry {kernel!r} must be {{\"alpha\": ..., \"beta\": ...[, \"r2\": ...]}}")
+            costs[kernel] = KernelCost(alpha=entry["alpha"], beta=entry["beta"], r2=entry.get("r2"))
         return cls(**costs)
 
     @classmethod
