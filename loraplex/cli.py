@@ -416,6 +416,18 @@ def _run_bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _configure_plan(parser: argparse.ArgumentParser) -> None:
+    from loraplex.daemon.sim.planner import configure
+
+    configure(parser)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from loraplex.daemon.sim.planner import run
+
+    return run(args)
+
+
 COMMANDS: dict[str, Command] = {
     "bench": Command(help="live load generator: `loraplex bench serve` (same workload spec as `loraplex sim`)",
                      configure=_configure_bench, run=_run_bench),
@@ -449,6 +461,8 @@ COMMANDS: dict[str, Command] = {
     ),
     "sim": Command(help="simulate engines with the daemon's own schedulers, routers and caches on a virtual clock",
                    configure=_configure_sim, run=_run_sim),
+    "plan": Command(help="capacity planner: the fewest engines that serve a workload within its SLOs (simulated)",
+                    configure=_configure_plan, run=_run_plan),
 }
 
 

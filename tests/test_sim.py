@@ -93,11 +93,15 @@ def test_profile_json_round_trip(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_every_scenario_runs(name: str) -> None:
-    rows, results = run_variants(SCENARIOS[name])
+    scenario = SCENARIOS[name]
+    small = dataclasses.replace(scenario.workload, max_requests=150)  # seconds, not minutes
+    rows, results = run_variants(scenario, small)
     assert len(rows) == len(SCENARIOS[name].variants) >= 2
     for row in rows:
         assert REQUIRED <= set(row)
         assert 0 <= row["slo_attainment"] <= 1 and row["throughput_rps"] > 0
+        if scenario.tpt_slo_x is not None:  # the TPT SLO is set from the same trace served without LoRA
+            assert row["tpt_slo_ms"] == pytest.approx(scenario.tpt_slo_x * row["no_lora_tpt_ms"])
     assert [r["policy"] for r in rows] == [label for label, _ in SCENARIOS[name].variants]
 
 
@@ -135,7 +139,8 @@ def test_the_simulator_is_torch_free() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, loraplex.daemon.sim.cli, loraplex.daemon.sim.simulator, loraplex.daemon.sim.scenarios; "
+    code = ("import sys, loraplex.daemon.sim.cli, loraplex.daemon.sim.simulator, loraplex.daemon.sim.scenarios, "
+            "loraplex.daemon.sim.planner; "
             "print('torch' in sys.modules, 'matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

@@ -1,9 +1,11 @@
 """`loraplex sim`: arguments and output of the simulator command (torch-free).
 
 A named scenario (--scenario), or one run / a comparison (--compare KEY=a,b,c) on a
-workload built from the flags; --rates sweeps load; --json prints one JSON value on stdout
-(an object for a single run or comparison, a list of rows for a scenario); --plot-dir
-writes PNGs (TTFT CDFs, and latency vs load when --rates is given).
+workload built from the flags; --rates sweeps load (a scenario sweeps its own rates unless
+given); workload flags given with --scenario override that scenario's workload (to shrink
+it); --json prints one JSON value on stdout (an object for a single run or comparison, a
+list of rows for a scenario); --plot-dir writes PNGs (TTFT CDFs, and latency vs load when
+rates are swept). The workload flags are shared with `loraplex plan`.
 """
 from __future__ import annotations
 
@@ -15,13 +17,47 @@ from pathlib import Path
 from loraplex.daemon.sim.metrics import format_table, ratios, summarize
 from loraplex.daemon.sim.profile import SimProfile
 from loraplex.daemon.sim.scenarios import SCENARIOS, Scenario, get, run_variants, sweep
-from loraplex.daemon.sim.simulator import MODES, SimConfig
+from loraplex.daemon.sim.simulator import MODES, SIM_POLICIES, SimConfig
 from loraplex.daemon.sim.workload import ARRIVALS, LENGTHS, WorkloadSpec
+
+# Workload flag -> WorkloadSpec field. The flags default to None ("not given") so that a given
+# one can override a scenario's workload; unset ones keep the base spec's value.
+WORKLOAD_FLAGS = {"seed": "seed", "duration": "duration_s", "max_requests": "max_requests", "arrival": "arrival",
+                  "rate": "rate_rps", "cv": "cv", "adapters": "num_adapters", "zipf": "zipf_exponent",
+                  "ranks": "ranks", "lengths": "lengths", "prompt_mean": "prompt_mean",
+                  "output_mean": "output_mean", "trace": "trace", "time_scale": "time_scale"}
 
 COMPARE_KEYS = {"policy": "policy", "cache_policy": "cache_policy", "cache-policy": "cache_policy",
                 "mode": "mode", "router": "router"}
 SHOWN = ("label", "slo_attainment", "mean_ttft_ms", "p99_ttft_ms", "mean_tpt_ms", "p99_tpt_ms",
          "throughput_rps", "goodput_rps", "cache_hit_rate", "pcie_bytes")
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags (defaults in brackets are WorkloadSpec's)."""
+    w = WorkloadSpec()
+    p.add_argument("--seed", type=int, help=f"workload seed [{w.seed}]")
+    p.add_argument("--duration", type=float, help=f"seconds of arrivals [{w.duration_s:g}]")
+    p.add_argument("--max-requests", type=int, help="stop after this many requests")
+    p.add_argument("--arrival", choices=ARRIVALS, help=f"arrival process [{w.arrival}]")
+    p.add_argument("--rate", type=float, help=f"arrival rate, req/s [{w.rate_rps:g}]")
+    p.add_argument("--cv", type=float, help=f"gamma arrivals: coefficient of variation [{w.cv:g}]")
+    p.add_argument("--adapters", type=int, help=f"number of adapters [{w.num_adapters}]")
+    p.add_argument("--zipf", type=float, help=f"popularity exponent s: P(i) ∝ 1/i^s [{w.zipf_exponent:g}]")
+    p.add_argument("--ranks", type=int, nargs="+", help=f"rank mix [{' '.join(map(str, w.ranks))}]")
+    p.add_argument("--lengths", choices=LENGTHS, help=f"prompt/output lengths [{w.lengths}]")
+    p.add_argument("--prompt-mean", type=int, help=f"median prompt tokens [{w.prompt_mean}]")
+    p.add_argument("--output-mean", type=int, help=f"median output tokens [{w.output_mean}]")
+    p.add_argument("--trace", help=f"conv | code | a CSV path (trace arrivals or lengths) [{w.trace}]")
+    p.add_argument("--time-scale", type=float, help=f"trace arrivals: speed-up factor [{w.time_scale:g}]")
+
+
+def workload_from_args(args: argparse.Namespace, base: WorkloadSpec | None = None) -> WorkloadSpec:
+    """`base` (default WorkloadSpec()) with every workload flag that was given."""
+    given = {field: getattr(args, flag) for flag, field in WORKLOAD_FLAGS.items() if getattr(args, flag) is not None}
+    if "ranks" in given:
+        given["ranks"] = tuple(given["ranks"])
+    return dataclasses.replace(base or WorkloadSpec(), **given)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -31,40 +67,33 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", type=float, nargs="+", help="sweep these arrival rates (req/s)")
     p.add_argument("--json", action="store_true", help="print one JSON value on stdout")
     p.add_argument("--plot-dir", type=Path, help="write PNG plots here")
-    p.add_argument("--profile", type=Path, help="latency profile JSON (SimProfile fields)")
-    d, w = SimConfig(), WorkloadSpec()
-    p.add_argument("--policy", default=d.policy, help="scheduler: fcfs | mlq | dlora")
+    p.add_argument("--profile", type=Path, help="latency profile JSON (SimProfile fields; replaces a scenario's)")
+    p.add_argument("--profile-set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override one profile field, also a scenario's (repeatable; e.g. kernel=mbgmv)")
+    d = SimConfig()
+    p.add_argument("--policy", default=d.policy, help=f"scheduler: {' | '.join(SIM_POLICIES)}")
     p.add_argument("--cache-policy", default=d.cache_policy, help="none | lru | fifo | cost")
     p.add_argument("--mode", choices=MODES, default=d.mode)
     p.add_argument("--router", default=d.router)
     p.add_argument("--engines", type=int, default=d.num_engines)
     p.add_argument("--ttft-slo-ms", type=float, default=d.ttft_slo_ms)
     p.add_argument("--tpt-slo-ms", type=float, default=d.tpt_slo_ms)
-    p.add_argument("--seed", type=int, default=w.seed)
-    p.add_argument("--duration", type=float, default=w.duration_s, help="seconds of arrivals")
-    p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--arrival", choices=ARRIVALS, default=w.arrival)
-    p.add_argument("--rate", type=float, default=w.rate_rps, help="arrival rate, req/s")
-    p.add_argument("--cv", type=float, default=w.cv, help="gamma arrivals: coefficient of variation")
-    p.add_argument("--adapters", type=int, default=w.num_adapters)
-    p.add_argument("--zipf", type=float, default=w.zipf_exponent, help="popularity exponent s: P(i) ∝ 1/i^s")
-    p.add_argument("--ranks", type=int, nargs="+", default=list(w.ranks))
-    p.add_argument("--lengths", choices=LENGTHS, default=w.lengths)
-    p.add_argument("--prompt-mean", type=int, default=w.prompt_mean)
-    p.add_argument("--output-mean", type=int, default=w.output_mean)
-    p.add_argument("--trace", default=w.trace, help="conv | code | a CSV path (trace arrivals or lengths)")
-    p.add_argument("--time-scale", type=float, default=w.time_scale, help="trace arrivals: speed-up factor")
+    add_workload_args(p)
+
+
+def _scenario(args: argparse.Namespace) -> Scenario:
+    """The named scenario, with the workload flags and profile overrides that were given applied."""
+    scenario = get(args.scenario)
+    profile = SimProfile.load(args.profile) if args.profile else scenario.profile
+    return dataclasses.replace(scenario, workload=workload_from_args(args, scenario.workload),
+                               profile=profile.override(args.profile_set))
 
 
 def _custom(args: argparse.Namespace) -> Scenario:
-    workload = WorkloadSpec(seed=args.seed, duration_s=args.duration, max_requests=args.max_requests,
-                            arrival=args.arrival, rate_rps=args.rate, cv=args.cv, num_adapters=args.adapters,
-                            zipf_exponent=args.zipf, ranks=tuple(args.ranks), lengths=args.lengths,
-                            prompt_mean=args.prompt_mean, output_mean=args.output_mean, trace=args.trace,
-                            time_scale=args.time_scale)
+    workload = workload_from_args(args)
     config = SimConfig(policy=args.policy, cache_policy=args.cache_policy, mode=args.mode, router=args.router,
                        num_engines=args.engines, ttft_slo_ms=args.ttft_slo_ms, tpt_slo_ms=args.tpt_slo_ms)
-    profile = SimProfile.load(args.profile) if args.profile else SimProfile()
+    profile = (SimProfile.load(args.profile) if args.profile else SimProfile()).override(args.profile_set)
     variants: tuple[tuple[str, SimConfig], ...] = ((config.policy, config),)
     if args.compare:
         key, _, values = args.compare.partition("=")
@@ -78,10 +107,13 @@ def _custom(args: argparse.Namespace) -> Scenario:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        scenario = get(args.scenario) if args.scenario else _custom(args)
-        if args.rates:
-            rows = sweep(scenario, args.rates)
-            results = run_variants(scenario, dataclasses.replace(scenario.workload, rate_rps=max(args.rates)))[1]
+        scenario = _scenario(args) if args.scenario else _custom(args)
+        rates = args.rates or list(scenario.rates)
+        if rates:
+            rows = sweep(scenario, rates)
+            # The CDF plots show the highest rate (run once more only when plotting).
+            results = run_variants(scenario, dataclasses.replace(scenario.workload, rate_rps=max(rates)))[1] \
+                if args.plot_dir else {}
         else:
             rows, results = run_variants(scenario)
     except (ValueError, OSError) as exc:
@@ -94,19 +126,19 @@ def run(args: argparse.Namespace) -> int:
         stem = scenario.name
         plots.append(str(plot_cdfs(results, args.plot_dir / f"{stem}-ttft-cdf.png", "ttft")))
         plots.append(str(plot_cdfs(results, args.plot_dir / f"{stem}-tpt-cdf.png", "tpt")))
-        if args.rates:
+        if rates:
             plots.append(str(plot_vs_load(rows, args.plot_dir / f"{stem}-p99-ttft-vs-load.png")))
-    compared = len(scenario.variants) > 1 and not args.rates
+    compared = len(scenario.variants) > 1 and not rates
     if args.json:
         if args.scenario:
             out: object = rows
-        elif args.compare or args.rates:
+        elif args.compare or rates:
             out = {"rows": rows, "ratios": ratios(rows) if compared else None, "plots": plots}
         else:
             out = {**rows[0], "plots": plots}
         print(json.dumps(out, allow_nan=False))
         return 0
-    shown = ("rate_rps", *SHOWN) if args.rates else SHOWN
+    shown = ("rate_rps", *SHOWN) if rates else SHOWN
     print(f"{scenario.name}: {scenario.description}")
     print(format_table(rows, shown))
     if compared:

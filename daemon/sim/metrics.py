@@ -32,8 +32,9 @@ def summarize(result: SimResult) -> dict[str, object]:
     accesses = result.cache_hits + result.cache_misses
     row: dict[str, object] = {
         "label": cfg.policy, "policy": cfg.policy, "scheduler": cfg.policy, "cache_policy": cfg.cache_policy,
-        "mode": cfg.mode, "router": cfg.router,
-        "engines": cfg.num_engines, "requests": n, "completed": len(done),
+        "mode": cfg.mode, "router": cfg.router, "kernel": result.profile.kernel,
+        "engines": cfg.num_engines, "ttft_slo_ms": cfg.ttft_slo_ms, "tpt_slo_ms": cfg.tpt_slo_ms,
+        "requests": n, "completed": len(done),
         "aborted": sum(r.aborted for r in result.records),
         "slo_attainment": len(met) / n if n else 0.0,
         "throughput_rps": len(done) / span if span else 0.0,

@@ -4,14 +4,22 @@ measurement); load a profiled engine's numbers from JSON for real predictions.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from loraplex.daemon.router.rank_aware import PerfProfile
+from loraplex.daemon.router.rank_aware import KernelCost, PerfProfile
 
 MIB = 1 << 20
+
+
+@functools.lru_cache(maxsize=64)  # built once per profile, not once per simulated step
+def _perf(alpha_ms: float, beta_ms: float) -> PerfProfile:
+    cost = KernelCost(alpha=alpha_ms, beta=beta_ms)
+    return PerfProfile(bgmv=cost, mbgmv=cost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +54,7 @@ class SimProfile:
 
     @property
     def perf(self) -> PerfProfile:
-        from loraplex.daemon.router.rank_aware import KernelCost
-
-        cost = KernelCost(alpha=self.alpha_ms, beta=self.beta_ms)
-        return PerfProfile(bgmv=cost, mbgmv=cost)
+        return _perf(self.alpha_ms, self.beta_ms)
 
     def step_ms(self, lora_ranks: list[int], prefill_tokens: int, decode_rows: int) -> float:
         return (self.perf.step_ms(self.kernel, lora_ranks)  # type: ignore[arg-type]
@@ -69,6 +74,20 @@ class SimProfile:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+    def override(self, assignments: list[str]) -> SimProfile:
+        """This profile with FIELD=VALUE assignments applied (e.g. "kernel=mbgmv", "beta_ms=12")."""
+        changes: dict[str, object] = {}
+        for item in assignments:
+            name, sep, text = item.partition("=")
+            if not sep or name not in {f.name for f in fields(self)}:
+                raise ValueError(f"profile override {item!r}: want FIELD=VALUE with FIELD a SimProfile field")
+            kind = type(getattr(self, name))
+            try:
+                changes[name] = kind(text) if kind is not int else int(float(text))
+            except ValueError:
+                raise ValueError(f"profile override {item!r}: {text!r} is not a {kind.__name__}") from None
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     @classmethod
     def from_dict(cls, raw: object) -> SimProfile:

@@ -1,8 +1,10 @@
 """Named simulation scenarios (torch-free): one workload, one latency profile and the
-variants compared on it (cache policies, schedulers or loading modes), each a few seconds.
+variants compared on it (cache policies, schedulers, routers or loading modes), optionally
+swept over arrival rates. Most run in seconds; toppings-cluster (60 engines) in minutes.
 
 Adapter popularity is Zipf with the exponent stated in each workload (the Azure Functions
-trace is not available offline; see shared/traces/README.md).
+trace is not available offline; see shared/traces/README.md). Profiles are illustrative
+(SimProfile), not measurements; each scenario states what it changes and why.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from loraplex.daemon.sim.metrics import summarize
 from loraplex.daemon.sim.profile import SimProfile
 from loraplex.daemon.sim.simulator import SimConfig, SimResult, simulate
-from loraplex.daemon.sim.workload import WorkloadSpec, generate
+from loraplex.daemon.sim.workload import RequestEvent, WorkloadSpec, generate
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,16 +24,25 @@ class Scenario:
     workload: WorkloadSpec
     profile: SimProfile
     variants: tuple[tuple[str, SimConfig], ...]  # (label, config), the first is the baseline
+    rates: tuple[float, ...] = ()  # the load sweep `loraplex sim --scenario` runs (empty: one rate)
+    # TPT SLO = this × the mean TPT of the same trace served without LoRA by the baseline
+    # variant (Toppings' "1.5× the no-LoRA TPT"); None: each variant's own tpt_slo_ms.
+    tpt_slo_x: float | None = None
 
 
-def _cache() -> Scenario:
-    base = SimConfig(policy="fcfs", mode="on_demand")
+def _chameleon_cache() -> Scenario:
+    # Chameleon's headline comparison: the S-LoRA-like baseline (FCFS, adapters freed on last use)
+    # against its cost-aware cache plus multi-level queues; fcfs+cost separates the two parts.
     return Scenario(
-        "chameleon-cache", "GPU adapter cache none/lru/cost under Zipf(1.0) popularity over 200 adapters",
-        WorkloadSpec(seed=0, duration_s=60, rate_rps=3.0, num_adapters=200, zipf_exponent=1.0,
-                     prompt_mean=256, output_mean=64),
+        "chameleon-cache", "P99 TTFT vs load: fcfs+none vs mlq+cost (fcfs+cost between) on Azure conv lengths, "
+        "Zipf(1.0) over 200 adapters",
+        WorkloadSpec(seed=0, duration_s=60, rate_rps=2.0, num_adapters=200, zipf_exponent=1.0, lengths="trace",
+                     trace="conv"),
         SimProfile(pool_pages=1200, pcie_bytes_per_s=3.2e9),  # pageable host copies (Chameleon's baseline)
-        tuple((p, dataclasses.replace(base, cache_policy=p)) for p in ("none", "lru", "cost")))
+        tuple((label, SimConfig(policy=policy, cache_policy=cache, mode="on_demand"))
+              for label, policy, cache in (("fcfs+none", "fcfs", "none"), ("fcfs+cost", "fcfs", "cost"),
+                                           ("mlq+cost", "mlq", "cost"))),
+        rates=(1.0, 2.0, 2.5, 3.0, 3.5))
 
 
 def _mlq() -> Scenario:
@@ -64,7 +75,41 @@ def _dlora() -> Scenario:
         tuple((p, dataclasses.replace(base, policy=p)) for p in ("fcfs", "dlora")))
 
 
-SCENARIOS = {s.name: s for s in (_cache(), _mlq(), _modes(), _dlora())}
+def _toppings_cluster() -> Scenario:
+    # Toppings Fig. 18-19 at its scale: 60 instances, 40,000 adapters, ~340 req/s. Adapters are
+    # all cached (loads cost nothing) so only placement differs. The engine's decode step is
+    # exactly the router's PERF model (decode_ms_per_row = 0: the per-row base cost is folded
+    # into alpha, as in Toppings), with 7B-like magnitudes: a 20 ms base step, padded BGMV adding
+    # 0.005 ms per request·max-rank unit (24 rows at rank 64: +7.7 ms), 0.1 ms per prefill token.
+    base = SimConfig(policy="fcfs", mode="cached", num_engines=60, ttft_slo_ms=60_000.0)  # attainment: TPT only
+    return Scenario(
+        "toppings-cluster", "rank_aware vs random / first_fit / most_idle / dlora routing over 60 engines, "
+        "Zipf(1.0) over 40,000 adapters at 340 req/s, TPT SLO 1.5x the no-LoRA TPT",
+        WorkloadSpec(seed=0, duration_s=15, rate_rps=340.0, num_adapters=40_000, zipf_exponent=1.0,
+                     prompt_mean=256, output_mean=128),
+        SimProfile(kernel="bgmv", alpha_ms=0.005, beta_ms=20.0, prefill_ms_per_token=0.1, decode_ms_per_row=0.0),
+        tuple((r, dataclasses.replace(base, router=r))
+              for r in ("random", "first_fit", "most_idle", "dlora", "rank_aware")),
+        tpt_slo_x=1.5)
+
+
+def _slora_abort() -> Scenario:
+    # S-LoRA §4.3: under overload, early abort keeps serving requests that can still make the
+    # TTFT SLO, FCFS serves everyone late and LCFS starves the oldest. Attainment counts the
+    # TTFT SLO only (the TPT SLO is out of reach), as S-LoRA's first-token SLO does.
+    base = SimConfig(mode="cached", ttft_slo_ms=2000.0, tpt_slo_ms=60_000.0)
+    return Scenario(
+        "slora-abort", "FCFS vs LCFS vs FCFS with early abort (TTFT SLO 2 s) from light load to 2x overload",
+        WorkloadSpec(seed=0, duration_s=60, rate_rps=8.0, num_adapters=100, zipf_exponent=1.0, prompt_mean=256,
+                     output_mean=128),
+        SimProfile(),
+        (("fcfs", base), ("lcfs", dataclasses.replace(base, policy="lcfs")),
+         ("abort", dataclasses.replace(base, early_abort=True))),
+        rates=(4.0, 6.0, 8.0, 10.0, 12.0))
+
+
+SCENARIOS = {s.name: s for s in (_chameleon_cache(), _mlq(), _modes(), _dlora(), _toppings_cluster(),
+                                 _slora_abort())}
 
 
 def get(name: str) -> Scenario:
@@ -73,21 +118,33 @@ def get(name: str) -> Scenario:
     return SCENARIOS[name]
 
 
+def without_lora(events: list[RequestEvent]) -> list[RequestEvent]:
+    """The same requests sent to the base model."""
+    return [dataclasses.replace(e, adapter=None, rank=0) for e in events]
+
+
 def run_variants(scenario: Scenario, workload: WorkloadSpec | None = None
                  ) -> tuple[list[dict[str, object]], dict[str, SimResult]]:
     """Every variant on the same trace: one summary row each (labelled), and the raw results."""
     spec = workload or scenario.workload
     events = generate(spec)
+    variants, extra = scenario.variants, {}
+    if scenario.tpt_slo_x is not None:
+        base_row = summarize(simulate(without_lora(events), scenario.variants[0][1], scenario.profile))
+        no_lora = float(base_row["mean_tpt_ms"])  # type: ignore[arg-type]
+        slo = scenario.tpt_slo_x * no_lora
+        variants = tuple((label, dataclasses.replace(c, tpt_slo_ms=slo)) for label, c in variants)
+        extra = {"no_lora_tpt_ms": no_lora}
     rows, results = [], {}
-    for label, config in scenario.variants:
+    for label, config in variants:
         result = simulate(events, config, scenario.profile)
         results[label] = result
-        rows.append({**summarize(result), "label": label, "policy": label, "scenario": scenario.name,
+        rows.append({**summarize(result), **extra, "label": label, "policy": label, "scenario": scenario.name,
                      "rate_rps": spec.rate_rps, "zipf_exponent": spec.zipf_exponent})
     return rows, results
 
 
-def sweep(scenario: Scenario, rates: list[float]) -> list[dict[str, object]]:
+def sweep(scenario: Scenario, rates: list[float] | tuple[float, ...]) -> list[dict[str, object]]:
     """run_variants at each arrival rate (the same seed, so traces differ only in rate)."""
     rows: list[dict[str, object]] = []
     for rate in sorted(rates):

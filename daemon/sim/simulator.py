@@ -9,26 +9,30 @@ fed the same trace can be checked against them. Never sleeps, never reads a real
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.memory.geometry import PageGeometry
-from loraplex.daemon.router import EngineRequest, EngineState, RequestInfo, make_router
+from loraplex.daemon.router import ROUTERS, EngineState, RequestInfo, Router, make_router
+from loraplex.daemon.router.snapshot import engine_state
 from loraplex.daemon.scheduler.base import BaseScheduler
 from loraplex.daemon.scheduler.config import SchedulerConfig
-from loraplex.daemon.scheduler.factory import make_scheduler
-from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
+from loraplex.daemon.scheduler.factory import POLICIES, make_scheduler
+from loraplex.daemon.scheduler.sequence import SeqRequest
+from loraplex.daemon.sim.lcfs import LcfsScheduler
 from loraplex.daemon.sim.profile import SimProfile
 from loraplex.daemon.sim.workload import RequestEvent
 from loraplex.ipc.engine_plan import RowResult, SamplingSpec, StepPlan, StepResult
 
 MODES = ("cached", "on_demand", "cpu_assist")
+SIM_POLICIES = (*POLICIES, "lcfs")  # lcfs: a baseline only the simulator offers (lcfs.py)
 _TOKEN = 3  # what the simulated model samples (requests ignore EOS; lengths come from the workload)
 
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
-    policy: str = "fcfs"  # scheduler: fcfs | mlq | dlora
+    policy: str = "fcfs"  # scheduler: fcfs | mlq | dlora | lcfs
     cache_policy: str = "lru"  # none | lru | fifo | cost
     mode: str = "on_demand"  # cached (loads are free) | on_demand (steps wait) | cpu_assist
     router: str = "most_idle"
@@ -44,6 +48,10 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.policy not in SIM_POLICIES:
+            raise ValueError(f"unknown scheduling policy {self.policy!r}; choose one of {', '.join(SIM_POLICIES)}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
         if self.num_engines <= 0 or self.ttft_slo_ms <= 0 or self.tpt_slo_ms <= 0 or self.max_steps <= 0:
             raise ValueError("num_engines, SLOs and max_steps must be positive")
 
@@ -123,13 +131,25 @@ class Simulator:
         self.config = config
         self.profile = profile or SimProfile()
         self.clock = _Clock()
-        self.router = make_router(config.router)
+        self.router = self._make_router()
         self.records: dict[str, RequestRecord] = {}
         self.decisions: list[Decision] = []
         self.pcie_bytes = 0
         self.steps = 0
         self._ranks: dict[str, int] = {}
         self.engines = [_Engine(i, self._make_scheduler()) for i in range(config.num_engines)]
+        # Router snapshots, rebuilt only for engines whose scheduler changed since (add, schedule,
+        # apply): with many engines, rebuilding all of them per arrival dominated the run time.
+        self._states: list[EngineState | None] = [None] * config.num_engines
+
+    def _make_router(self) -> Router:
+        c, p = self.config, self.profile
+        if c.router == "rank_aware":
+            # Predict with the simulated engines' own step model and judge against the TPT SLO
+            # being measured (the daemon passes its profile file and scheduler.tpt_slo_ms the
+            # same way), not with the router's illustrative defaults.
+            return make_router(c.router, profile=p.perf, kernel=p.kernel, slo_ms=c.tpt_slo_ms)
+        return make_router(c.router)
 
     def _make_scheduler(self) -> BaseScheduler:
         p, c = self.profile, self.config
@@ -138,8 +158,14 @@ class Simulator:
             cache_policy=c.cache_policy, prefetch=c.prefetch, cluster_adapters=c.cluster_adapters,
             max_loras_per_batch=c.max_loras_per_batch, ttft_slo_s=c.ttft_slo_ms / 1e3 if c.early_abort else None)
         geometry = PageGeometry(kv_dim=1, page_tokens=p.page_tokens, max_row_width=0)
-        return make_scheduler(c.policy, sched_cfg, geometry, PageAllocator(p.pool_pages),
-                              lambda name: p.adapter_pages(self._ranks[name]), (),
+
+        def pages(name: str) -> int:
+            return p.adapter_pages(self._ranks[name])
+
+        if c.policy == "lcfs":
+            return LcfsScheduler(sched_cfg, geometry, PageAllocator(p.pool_pages), pages,
+                                 adapter_rank=self._ranks.__getitem__, clock=self.clock)
+        return make_scheduler(c.policy, sched_cfg, geometry, PageAllocator(p.pool_pages), pages, (),
                               adapter_rank=self._ranks.__getitem__, clock=self.clock)
 
     # ---- the event loop ----------------------------------------------------------------------
@@ -148,22 +174,38 @@ class Simulator:
         for e in pending:
             if e.adapter is not None:
                 self._ranks[e.adapter] = e.rank
+        # Only engines something happened to are visited (a step ended, a request arrived, or they
+        # sit idle with work they could not start, which is retried at every event because
+        # admission may depend on the time); in index order, as a full scan would.
+        busy: list[tuple[float, int]] = []  # heap of (step end, engine index)
+        stuck: set[int] = set()
         i = 0
         while True:
-            for eng in self.engines:
-                if eng.plan is not None and eng.end <= self.clock.now:
-                    self._complete(eng)
+            touched = set(stuck)
+            done = []
+            while busy and busy[0][0] <= self.clock.now:
+                done.append(heapq.heappop(busy)[1])
+            for index in sorted(done):
+                self._complete(self.engines[index])
+            touched.update(done)
             while i < len(pending) and pending[i].arrival_s <= self.clock.now:
                 self._arrive(pending[i])
+                touched.add(self.records[pending[i].request_id].engine)
                 i += 1
-            for eng in self.engines:
+            stuck.clear()
+            for index in sorted(touched):
+                eng = self.engines[index]
                 if eng.plan is None and eng.sched.has_work():
                     self._start(eng)
-            times = [e.end for e in self.engines if e.plan is not None]
+                    if eng.plan is not None:
+                        heapq.heappush(busy, (eng.end, index))
+                    elif eng.sched.has_work():
+                        stuck.add(index)
+            times = [busy[0][0]] if busy else []
             if i < len(pending):
                 times.append(pending[i].arrival_s)
             if not times:
-                if any(e.sched.has_work() for e in self.engines):
+                if stuck:
                     raise RuntimeError("simulation stalled: queued requests that can never be scheduled")
                 break
             self.clock.now = max(self.clock.now, min(times))
@@ -179,30 +221,31 @@ class Simulator:
         prompt = max(1, min(ev.prompt_len, p.max_model_len - 1))
         info = RequestInfo(request_id=ev.request_id, adapter=ev.adapter, rank=ev.rank, prompt_len=prompt,
                            max_tokens=ev.output_len, adapter_bytes=p.adapter_bytes(ev.rank))
-        index = self.router.choose(info, [self._snapshot(e) for e in self.engines])
+        index = self.router.choose(info, [self._state(e) for e in self.engines])
         eng = self.engines[index]
         self.records[ev.request_id] = RequestRecord(ev, index)
+        self._states[index] = None
         eng.sched.add(SeqRequest(request_id=ev.request_id, prompt_ids=[_TOKEN] * prompt, adapter=ev.adapter,
                                  sampling=SamplingSpec(temperature=0.0), max_tokens=ev.output_len, ignore_eos=True))
 
-    def _snapshot(self, eng: _Engine) -> EngineState:
-        def view(seq: Sequence) -> EngineRequest:
-            left = seq.num_uncomputed + max(0, seq.req.max_tokens - len(seq.output_ids) - 1)
-            rank = 0 if seq.req.adapter is None else self._ranks[seq.req.adapter]
-            return EngineRequest(seq.request_id, seq.req.adapter, rank, left, self.profile.adapter_bytes(rank))
+    def _state(self, eng: _Engine) -> EngineState:
+        state = self._states[eng.index]
+        if state is None:
+            state = self._states[eng.index] = self._snapshot(eng)
+        return state
 
+    def _snapshot(self, eng: _Engine) -> EngineState:
         p = self.profile
         rate = eng.tokens / eng.busy_s if eng.busy_s > 0 else 1e3 / max(p.prefill_ms_per_token, 1e-6)
-        return EngineState(engine_id=eng.index, running=tuple(view(s) for s in eng.sched.running),
-                           waiting=tuple(view(s) for s in eng.sched.waiting),
-                           resident_adapters=frozenset(eng.sched.adapters.resident_names()),
-                           max_num_seqs=p.max_num_seqs, free_pages=eng.sched.allocator.num_free,
-                           total_pages=p.pool_pages, tokens_per_s=rate,
-                           load_bytes_per_s=0.0 if self.config.mode == "cached" else p.pcie_bytes_per_s)
+        return engine_state(eng.index, eng.sched, rank_of=self._ranks.__getitem__,
+                            bytes_of=lambda adapter, rank: p.adapter_bytes(rank), max_num_seqs=p.max_num_seqs,
+                            total_pages=p.pool_pages, tokens_per_s=rate,
+                            load_bytes_per_s=0.0 if self.config.mode == "cached" else p.pcie_bytes_per_s)
 
     # ---- one engine step ---------------------------------------------------------------------
     def _start(self, eng: _Engine) -> None:
         now, p, mode = self.clock.now, self.profile, self.config.mode
+        self._states[eng.index] = None
         plan = eng.sched.schedule()
         for abort in eng.sched.take_aborted():
             rec = self.records[abort.request_id]
@@ -255,6 +298,7 @@ class Simulator:
         if plan is None:
             return
         eng.plan = None
+        self._states[eng.index] = None
         rows = [RowResult(r.request_id, _TOKEN, None) for r in plan.rows if r.sample]
         for row in rows:
             rec = self.records[row.request_id]
