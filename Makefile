@@ -34,7 +34,8 @@ venv: $(VENV)/.installed
 
 run: venv
 	@echo "loraplex: serving the built-in demo model in the foreground (Ctrl-C drains and stops)."
-	@echo "  In another terminal:  .venv/bin/loraplex generate --stream --adapter qv-r8 'Once upon a time'"
+	@echo "  In another terminal:  .venv/bin/loraplex generate --adapter upper 'ROMEO:'"
+	@echo "                        (adapters: upper, reverse, amen; without --adapter the base model answers)"
 	@echo "                        .venv/bin/loraplex adapters list;  .venv/bin/loraplex stats"
 	$(PY) -m loraplex.cli serve
 

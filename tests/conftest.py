@@ -7,6 +7,7 @@ import tempfile
 
 # Set before anything can resolve the default demo location.
 os.environ.setdefault("LORAPLEX_CACHE_DIR", tempfile.mkdtemp(prefix="loraplex-test-cache-"))
+os.environ.setdefault("LORAPLEX_DEMO", "random")  # daemons started without --model serve the parity fixture
 # Without a GPU, Triton kernels run under the interpreter; set before anything imports triton.
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,26 +1,42 @@
-"""The built-in demo model: random HF checkpoints, PEFT adapters and a tokenizer.
+"""The built-in demos: a trained Shakespeare Llama with style adapters, and a random one.
 
-Everything here is generated locally from fixed seeds; nothing is downloaded.
-`ensure_demo_model()` installs the demo used by `loraplex demo-model` and the tests.
+`builtin_demo()` is what serves without a model ($LORAPLEX_DEMO: `trained`, the
+default, or `random`). The trained demo is committed under `trained/` and rebuilt
+by `python -m loraplex.gpu_engine.demo.train`; the random demo (`ensure_demo_model()`)
+is generated locally from fixed seeds and is the exact-parity tests' fixture.
+Nothing here downloads anything.
 """
 from __future__ import annotations
 
 from .adapter import write_random_adapter
+from .builtin import DEMO_ENV, DEMO_KINDS, builtin_demo, builtin_demo_kind
 from .checkpoint import llama_config, mistral_config, qwen2_config, write_random_checkpoint
 from .model import DEMO_ADAPTERS, DemoAdapterSpec, DemoModel, default_demo_dir, demo_model_config, ensure_demo_model
+from .styles import STYLES, Style
 from .tokenizer import build_demo_tokenizer, write_tokenizer
+from .packaged import TRAINED_ADAPTERS, TRAINED_DIR, install_trained_demo, trained_demo
 
 __all__ = [
     "DEMO_ADAPTERS",
+    "DEMO_ENV",
+    "DEMO_KINDS",
+    "STYLES",
+    "TRAINED_ADAPTERS",
+    "TRAINED_DIR",
     "DemoAdapterSpec",
     "DemoModel",
+    "Style",
     "build_demo_tokenizer",
+    "builtin_demo",
+    "builtin_demo_kind",
     "default_demo_dir",
     "demo_model_config",
     "ensure_demo_model",
+    "install_trained_demo",
     "llama_config",
     "mistral_config",
     "qwen2_config",
+    "trained_demo",
     "write_random_adapter",
     "write_random_checkpoint",
     "write_tokenizer",

@@ -1,15 +1,13 @@
-"""The built-in demo: a tiny random Llama, its tokenizer and six LoRA adapters.
+"""The random demo: a tiny random-weight Llama, its tokenizer and six LoRA adapters.
 
-Owns the demo's config, adapter list, cache location and the all-or-nothing
-install (write into a temporary sibling, rename into place, `DONE` last).
-Never deletes a directory that is not a finished demo of some version.
+Owns the random demo's config, adapter list and cache location; `install.py`
+installs it all-or-nothing. The exact-parity tests and benchmarks use it; the
+trained demo (`packaged.py`) is what serves by default.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -17,10 +15,10 @@ from typing import Any, Mapping
 
 from .adapter import write_random_adapter
 from .checkpoint import llama_config, write_random_checkpoint
+from .install import ensure_installed
 from .tokenizer import VOCAB_SIZE, write_tokenizer
 
 DEMO_VERSION = "loraplex-demo-v1"
-DONE_MARKER = "DONE"
 MODEL_SEED = 1234
 
 
@@ -94,20 +92,8 @@ def _describe(root: Path) -> DemoModel:
     return DemoModel(root=root, model_dir=root / "model", adapters=MappingProxyType(adapters))
 
 
-def _marker(root: Path) -> str | None:
-    """The version written in root/DONE, or None when there is none."""
-    try:
-        return (root / DONE_MARKER).read_text().strip()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
-def _is_complete(root: Path) -> bool:
-    return _marker(root) == DEMO_VERSION
-
-
 def _write_demo(root: Path) -> None:
-    """Write every demo file into `root`; DONE goes last so readers see all or nothing."""
+    """Write every demo file into `root` (the installer adds DONE last)."""
     model_dir = root / "model"
     config = demo_model_config()
     write_random_checkpoint(model_dir, config, seed=MODEL_SEED)
@@ -124,55 +110,10 @@ def _write_demo(root: Path) -> None:
             seed=spec.seed,
             use_rslora=spec.use_rslora,
         )
-    (root / DONE_MARKER).write_text(DEMO_VERSION + "\n")
-
-
-def _check_replaceable(dest: Path) -> None:
-    """Refuse to replace anything but an empty dir or a finished demo (any version)."""
-    if not dest.exists():
-        return
-    if not dest.is_dir():
-        raise FileExistsError(f"{dest} exists and is not a directory")
-    if _marker(dest) is None and any(dest.iterdir()):
-        raise FileExistsError(f"{dest} is not empty and holds no loraplex demo; refusing to overwrite it")
 
 
 def ensure_demo_model(dest: Path | None = None, *, force: bool = False) -> DemoModel:
-    """Return the demo at `dest` (default_demo_dir()), writing it first if missing, stale or forced."""
-    dest = Path(dest) if dest is not None else default_demo_dir()
-    dest = dest.expanduser().absolute()
-    if not force and _is_complete(dest):
-        return _describe(dest)
-    _check_replaceable(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp = dest.with_name(f".{dest.name}.tmp-{token}")
-    try:
-        tmp.mkdir()
-        _write_demo(tmp)
-        _install(tmp, dest, token, force=force)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return _describe(dest)
-
-
-def _install(tmp: Path, dest: Path, token: str, *, force: bool) -> None:
-    """Rename `tmp` onto `dest`; unless forced, a current demo installed meanwhile by a racing writer wins."""
-    if not force and _is_complete(dest):
-        return
-    old = dest.with_name(f".{dest.name}.old-{token}")
-    if _marker(dest) is not None:
-        # A finished demo (stale, or being forced): rename(2) cannot replace a
-        # non-empty dir, so move it aside first. An empty dir is replaced directly.
-        try:
-            os.rename(dest, old)
-        except FileNotFoundError:
-            pass  # another process moved it away meanwhile
-    try:
-        os.rename(tmp, dest)
-    except OSError:
-        # Lost a race: dest reappeared non-empty. Fine if it is a finished demo.
-        if not _is_complete(dest):
-            raise
-    finally:
-        shutil.rmtree(old, ignore_errors=True)
+    """Return the random demo at `dest` (default_demo_dir()), writing it first if missing, stale or forced."""
+    root = ensure_installed(Path(dest) if dest is not None else default_demo_dir(), DEMO_VERSION, _write_demo,
+                            force=force)
+    return _describe(root)

@@ -1,12 +1,13 @@
-"""The demo model's byte-level BPE tokenizer, trained offline on embedded prose.
+"""The demos' byte-level BPE tokenizers, trained offline on local text.
 
-Owns the training text, the trainer settings (vocab 512; <unk>, <s>, </s> at
-ids 0, 1, 2) and the files transformers' AutoTokenizer needs. Never downloads
-anything; the same code always yields the same tokenizer.json.
+Owns the trainer settings (<unk>, <s>, </s> at ids 0, 1, 2), the random demo's
+embedded prose (vocab 512) and the files transformers' AutoTokenizer needs.
+Never downloads anything; the same text always yields the same tokenizer.json.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -85,29 +86,35 @@ and the kitchen smelled of cinnamon, butter and baked apples all winter long.
 """
 
 
-def build_demo_tokenizer() -> Tokenizer:
-    """Train the demo BPE tokenizer on TRAINING_TEXT (deterministic)."""
+def train_tokenizer(lines: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE with <unk>, <s>, </s> at ids 0, 1, 2, trained on `lines` (deterministic)."""
     tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=[UNK_TOKEN, BOS_TOKEN, EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(TRAINING_TEXT.splitlines(keepends=True), trainer=trainer)
-    if tokenizer.get_vocab_size() != VOCAB_SIZE:
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
         # Too little text for the merges would silently shrink the vocab below the model's.
-        raise RuntimeError(f"demo tokenizer has {tokenizer.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
+        raise RuntimeError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, expected {vocab_size}")
     return tokenizer
 
 
-def write_tokenizer(dest: Path) -> None:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `dest`."""
+def build_demo_tokenizer() -> Tokenizer:
+    """Train the random demo's BPE tokenizer on TRAINING_TEXT (deterministic)."""
+    return train_tokenizer(TRAINING_TEXT.splitlines(keepends=True), VOCAB_SIZE)
+
+
+def write_tokenizer(dest: Path, tokenizer: Tokenizer | None = None) -> None:
+    """Write tokenizer.json (default: the random demo's), tokenizer_config.json and special_tokens_map.json."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "tokenizer.json").write_text(build_demo_tokenizer().to_str(pretty=True) + "\n")
+    tokenizer = build_demo_tokenizer() if tokenizer is None else tokenizer
+    (dest / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n")
     specials = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "unk_token": UNK_TOKEN}
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
