@@ -4,8 +4,9 @@ Owns starting the workers (asyncio subprocesses pinned to free cores), their
 private ROUTER socket, handing them jobs and calibration requests, pairing
 replies with futures, and supervision: a worker that exits fails its jobs at
 once and is restarted with backoff; one that overruns a job's longest healthy
-duration is killed as stalled. Runs in the daemon: never imports torch, never
-touches shared memory (jobs only name segments).
+duration, or whose heartbeat falls silent (busy or idle), is killed as stalled.
+Runs in the daemon: never imports torch, never touches shared memory (jobs only
+name segments).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import zmq.asyncio
 
 from loraplex.cpu_lora.process import SINGLE_THREAD_ENV, worker_role
 from loraplex.ipc.errors import ProtocolError
+from loraplex.ipc.heartbeat import HEARTBEAT_FD_FLAG, HeartbeatWatch
 from loraplex.ipc.protocol import (
     CpuCalibrate,
     CpuCalibration,
@@ -113,6 +115,7 @@ class _Worker:
     backoff_s: float = 0.0
     watch: asyncio.Task[None] | None = None
     restart: asyncio.Task[None] | None = None
+    heartbeat: HeartbeatWatch | None = None
 
     @property
     def alive(self) -> bool:
@@ -129,7 +132,8 @@ class CpuWorkerPool:
     def __init__(self, ctx: zmq.asyncio.Context, runtime_dir: str | os.PathLike[str], num_workers: int | None = None,
                  cores: Sequence[int] | None = None, *, reserved_cores: Sequence[int] | None = None,
                  endpoint_name: str = "cpu-workers", start_timeout_s: float = 60.0, stall_grace_s: float = 5.0,
-                 restart_backoff_s: float = 0.2, max_backoff_s: float = 10.0) -> None:
+                 restart_backoff_s: float = 0.2, max_backoff_s: float = 10.0,
+                 heartbeat_timeout_s: float = 3.0) -> None:
         if cores is not None:
             cores = list(cores)
             if num_workers is not None and num_workers != len(cores):
@@ -143,6 +147,7 @@ class CpuWorkerPool:
         self.stall_grace_s = stall_grace_s
         self.restart_backoff_s = restart_backoff_s
         self.max_backoff_s = max_backoff_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self._workers = [_Worker(index=i, core=c) for i, c in enumerate(self.cores)]
         self._sock: AsyncTypedSocket | None = None
         self._receiver: asyncio.Task[None] | None = None
@@ -199,6 +204,9 @@ class CpuWorkerPool:
             if w.watch is not None:
                 w.watch.cancel()
                 w.watch = None
+            if w.heartbeat is not None:
+                w.heartbeat.close()
+                w.heartbeat = None
             w.ready.clear()
             w.identity = None
             self._fail_all(w, "unavailable", "the pool stopped")
@@ -379,16 +387,41 @@ class CpuWorkerPool:
         if w.proc is not None and w.proc.returncode is None:
             w.proc.kill()  # the watcher fails the rest of its queue and restarts it
 
+    def _on_silent(self, w: _Worker, proc: asyncio.subprocess.Process, silence_s: float) -> None:
+        """No heartbeat for heartbeat_timeout_s: the worker is stopped or wedged, busy or idle.
+        Its jobs fail as stalled now (the engine computes those layers itself) and it is replaced."""
+        if w.proc is not proc or proc.returncode is not None:
+            return
+        w.stalls += 1
+        message = f"no heartbeat for {silence_s:.1f} s; killing pid {proc.pid}"
+        self._event("stalled", w.index, message)
+        log.error("cpu worker %d hung: %s", w.index, message)
+        w.ready.clear()
+        w.identity = None
+        self._fail_all(w, "worker_stalled", message)
+        proc.kill()  # SIGKILL also ends a stopped process; the watcher restarts it
+
     async def _spawn(self, w: _Worker) -> None:
         env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
         env.update(SINGLE_THREAD_ENV)
         w.ready.clear()
         w.identity = None
-        w.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "loraplex.cpu_lora.worker", "--role", worker_role(w.index),
-            "--index", str(w.index), "--core", str(w.core), "--endpoint", self.endpoint,
-            "--parent-pid", str(os.getpid()), env=env, stdin=asyncio.subprocess.DEVNULL,
-        )  # stdout and stderr are the daemon's
+        if w.heartbeat is not None:
+            w.heartbeat.close()
+        w.heartbeat = beat = HeartbeatWatch(self.heartbeat_timeout_s)
+        try:
+            w.proc = proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "loraplex.cpu_lora.worker", "--role", worker_role(w.index),
+                "--index", str(w.index), "--core", str(w.core), "--endpoint", self.endpoint,
+                "--parent-pid", str(os.getpid()), HEARTBEAT_FD_FLAG, str(beat.child_fd), env=env,
+                stdin=asyncio.subprocess.DEVNULL, pass_fds=(beat.child_fd,),
+            )  # stdout and stderr are the daemon's
+        except BaseException:
+            beat.close()
+            w.heartbeat = None
+            raise
+        beat.spawned()
+        beat.watch(lambda silence: self._on_silent(w, proc, silence))
         w.starts += 1
         w.started_at = time.monotonic()
         self._event("started", w.index, f"pid {w.proc.pid} core {w.core}")

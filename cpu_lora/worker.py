@@ -4,7 +4,8 @@ Receives jobs over a DEALER socket from the daemon's pool and, per layer and
 stage, waits on the exchange's ready word (futex), computes its rows' LoRA
 deltas straight from the host adapter store, writes them to the exchange and
 adds to the done word. Never decides what to compute (the job says) and never
-sends tensors over the socket. Dies with its parent (PDEATHSIG).
+sends tensors over the socket. Dies with its parent (PDEATHSIG); heartbeats to
+the pool over an inherited pipe.
 
 Run as `python -m loraplex.cpu_lora.worker --role loraplex-cpu-worker-N
 --index N --core C --endpoint ipc://...` (the pool does this).
@@ -39,6 +40,7 @@ from loraplex.cpu_lora.compute import lora_delta  # noqa: E402
 from loraplex.cpu_lora.views import ExchangeViews, StoreViews  # noqa: E402
 from loraplex.ipc.errors import ProtocolError  # noqa: E402
 from loraplex.ipc.exchange import MODULE_STAGE, STAGES, ExchangeLayout  # noqa: E402
+from loraplex.ipc.heartbeat import HEARTBEAT_FD_FLAG, start_beating  # noqa: E402
 from loraplex.ipc.protocol import (  # noqa: E402
     CpuCalibrate,
     CpuCalibration,
@@ -276,12 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--core", type=int, required=True)
     parser.add_argument("--endpoint", required=True, help="the pool's ROUTER endpoint")
     parser.add_argument("--parent-pid", type=int, default=0, help="exit at once if the parent is already gone")
+    parser.add_argument(HEARTBEAT_FD_FLAG, type=int, default=None, help="pipe to write heartbeats to (inherited)")
     args = parser.parse_args(argv)
     role = args.role or worker_role(args.index)
     logging.basicConfig(level=logging.INFO, format=f"{role} %(levelname)s %(message)s", stream=sys.stderr)
     linux_process_setup(worker_comm(args.index))
     if args.parent_pid and os.getppid() != args.parent_pid:
         return 1  # the parent died before PDEATHSIG was armed
+    if args.heartbeat_fd is not None:
+        start_beating(args.heartbeat_fd)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us
     pin_to_core(args.core)

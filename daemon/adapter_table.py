@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.ipc.protocol import EngineAdapterLoaded
+from loraplex.ipc.protocol import CacheStoreFull, EngineAdapterLoaded
 
 
 @dataclass(slots=True)
@@ -24,19 +24,20 @@ class AdapterEntry:
     error: str | None = None
     requests: int = 0
     scaling: float = 1.0
-    store_entry: object | None = None  # ipc.adapter_store.StoreEntry when the engine keeps a host store
+    store_entry: object | None = None  # ipc.adapter_store.StoreEntry while it sits in a host store
     content_hash: str = ""  # SHA-256 of its files when loaded (daemon.adapter_hash)
     fingerprint: tuple = ()  # file sizes and mtimes when hashed: a cheap "did the files change?"
     replacing: bool = False  # new weights are being swapped in; new requests wait
 
-    def loaded(self, info: EngineAdapterLoaded) -> None:
+    def loaded(self, info: EngineAdapterLoaded | CacheStoreFull) -> None:
+        """Valid files; what they hold. A cache_store_full reply validates too (kept on disk)."""
         self.state = "ready"
         self.rank = info.rank
         self.target_modules = tuple(info.target_modules)
         self.num_pages = info.num_pages
         self.nbytes = info.nbytes
         self.scaling = info.scaling
-        self.store_entry = info.store_entry
+        self.store_entry = getattr(info, "store_entry", None)
         self.error = None
 
     def failed(self, message: str) -> None:

@@ -125,7 +125,8 @@ class ModelSettings(_Section):
         "cpu_assist (CPU workers compute while layer groups load), auto (cpu_assist on CUDA, else on_demand)."))
     load_groups: int = field(default=4, metadata=_help("Layer groups a cold adapter is loaded in (cpu_assist)."))
     host_store_bytes: int = field(default=256 << 20, metadata=_help(
-        "Size of the shared-memory host adapter store (cpu_assist)."))
+        "Size of the cache manager's shared-memory host adapter store; adapters beyond it stay on disk "
+        "and are loaded when a request needs them (disk -> host -> GPU tiers)."))
     exchange_max_tokens: int = field(default=2048, metadata=_help(
         "Most prefill tokens per step that CPU workers can take (cpu_assist)."))
     load_throttle_bytes_s: float | None = field(default=None, metadata=_help(
@@ -240,6 +241,9 @@ class ServerSettings(_Section):
     engine_start_timeout_s: float = field(default=300.0, metadata=_help("Seconds an engine may take to start."))
     engine_step_timeout_s: float = field(default=60.0, metadata=_help(
         "Seconds without a step reply before the engine counts as hung."))
+    heartbeat_timeout_s: float = field(default=3.0, metadata=_help(
+        "Seconds without a heartbeat (sent every 0.5 s) before a child process (engine, CPU worker) counts as "
+        "hung and is killed and restarted, busy or idle."))
     max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata=_help("Largest message accepted."))
     max_clients_inflight: int = field(default=4096, metadata=_help("Most requests in flight over all clients."))
     stats_interval_s: float = field(default=0.25, metadata=_help("Seconds between stats snapshots on the PUB socket."))
@@ -275,6 +279,7 @@ class ServerSettings(_Section):
         self._finite("drain_timeout_s", low=0.0)
         for name in ("engine_start_timeout_s", "engine_step_timeout_s", "stats_interval_s"):
             self._finite(name, low=0.0, low_open=True)
+        self._finite("heartbeat_timeout_s", low=1.0)  # several beats, so one late beat is no false alarm
         if self.max_message_bytes < 4096:
             raise ConfigError(
                 f"server.max_message_bytes must be >= 4096, got {self.max_message_bytes}", "server.max_message_bytes"

@@ -37,7 +37,7 @@ class CpuAssistDriver:
         self.set_engine(hello)
         self._job_ids = itertools.count(1)
         self._seq = itertools.count(1)
-        self.jobs = self.failures = self.cpu_rows = 0
+        self.jobs = self.failures = self.cpu_rows = self.submit_failures = 0
         self.busy_ms = 0.0
         self._pending: set[asyncio.Future] = set()
         self._started = time.monotonic()
@@ -75,7 +75,12 @@ class CpuAssistDriver:
             layers = list(range(max(s.cpu_layers for s in slices)))
             job = CpuLoraJob(job_id=next(self._job_ids), seq=planned.plan.cpu.seq, exchange=self.exchange,
                              store=self.store, layers=layers, slices=job_slices)
-            future = await self.pool.submit(worker, job)
+            try:
+                future = await self.pool.submit(worker, job)
+            except CpuWorkerError as exc:  # died since `ready` was read: the engine's deadline covers its rows
+                log.warning("cpu worker %d lost before its job was sent (%s); the GPU computes its rows", worker, exc)
+                self.submit_failures += 1
+                continue
             self._track(future)
             self._step_jobs.setdefault(job.seq, []).append((worker, job.job_id, future))
             self.jobs += 1
@@ -131,6 +136,7 @@ class CpuAssistDriver:
         return rows
 
     def snapshot(self) -> dict[str, object]:
-        return {"jobs": self.jobs, "failures": self.failures, "cpu_rows": self.cpu_rows, "busy_ms": self.busy_ms,
+        return {"jobs": self.jobs, "failures": self.failures, "submit_failures": self.submit_failures,
+                "cpu_rows": self.cpu_rows, "busy_ms": self.busy_ms,
                 "layer_ms_per_token": self.costs.layer_ms_per_token,
                 "link_mb_s": self.costs.link_bytes_per_s / 1e6, "workers": self.pool.describe()}

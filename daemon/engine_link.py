@@ -3,7 +3,9 @@ replies over a private ROUTER socket, notice when it dies or hangs.
 
 One order is outstanding at a time (the engine is a synchronous executor),
 so replies pair with orders by order. Every wait also watches the process:
-a dead or silent engine raises EngineDied instead of hanging the daemon.
+a dead or silent engine raises EngineDied instead of hanging the daemon. The
+engine also heartbeats over a pipe; one silent for `heartbeat_timeout_s`
+(stopped, wedged) is killed at once, busy or idle, and `on_lost` is called.
 """
 from __future__ import annotations
 
@@ -14,16 +16,21 @@ import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import zmq.asyncio
 
 from loraplex.ipc.errors import ErrorCode
+from loraplex.ipc.heartbeat import HEARTBEAT_FD_FLAG, HeartbeatWatch
 from loraplex.ipc.protocol import EngineFailure, EngineHello, EngineShutdown, Message
 from loraplex.ipc.runtime_dir import ipc_endpoint
 from loraplex.ipc.shm import sweep_stale
 from loraplex.ipc.sockets import AsyncTypedSocket, make_router
 
 log = logging.getLogger("loraplex.daemon.engine")
+# Until its hello, an engine loading a model may hold the GIL for long stretches (CUDA
+# context creation, weight conversion): its heartbeat may pause this long.
+START_SILENCE_S = 30.0
 
 
 class EngineDied(RuntimeError):
@@ -40,19 +47,30 @@ class EngineRefused(RuntimeError):
 
 
 class EngineLink:
+    # What the child is; CacheManagerLink (daemon/cache_link.py) overrides only these.
+    CHILD_MODULE = "loraplex.gpu_engine.engine_process"
+    ENDPOINT_NAME = "engine"
+    HELLO_TYPE: type = EngineHello
+
     def __init__(self, ctx: zmq.asyncio.Context, runtime_dir: Path, spec: dict, *, index: int = 0,
-                 start_timeout_s: float = 300.0, step_timeout_s: float = 60.0) -> None:
+                 start_timeout_s: float = 300.0, step_timeout_s: float = 60.0,
+                 heartbeat_timeout_s: float = 3.0) -> None:
         self._ctx = ctx
-        self.endpoint = ipc_endpoint(runtime_dir, f"engine-{index}")
+        self.endpoint = ipc_endpoint(runtime_dir, f"{self.ENDPOINT_NAME}-{index}")
         self.spec = spec  # EngineSpec fields (JSON-able), passed on the command line
         self.index = index
         self.start_timeout_s = start_timeout_s
-        self.step_timeout_s = step_timeout_s
+        self.step_timeout_s = step_timeout_s  # the progress deadline of one order
+        self.heartbeat_timeout_s = heartbeat_timeout_s  # the liveness deadline, busy or idle
         self.proc: asyncio.subprocess.Process | None = None
         self.hello: EngineHello | None = None
         self._sock: AsyncTypedSocket | None = None
         self._peer: bytes | None = None
         self._lock = asyncio.Lock()
+        self._heartbeat: HeartbeatWatch | None = None
+        self.lost_reason: str | None = None  # why the running engine was lost (None while it is fine)
+        self._hung = False  # lost by heartbeat silence: killed, not asked to exit
+        self.on_lost: Callable[[], None] | None = None  # called when the engine dies or hangs unasked
         self.starts = 0
 
     @property
@@ -60,7 +78,7 @@ class EngineLink:
         return None if self.proc is None else self.proc.pid
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
+        return self.proc is not None and self.proc.returncode is None and self.lost_reason is None
 
     async def start(self) -> EngineHello:
         """Spawn a fresh engine process and wait for its hello."""
@@ -68,27 +86,64 @@ class EngineLink:
         sweep_stale()  # a dead engine's segments must go before the new one creates its own
         self._sock = make_router(self._ctx, self.endpoint)
         env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "loraplex.gpu_engine.engine_process", "--endpoint", self.endpoint,
-            "--spec", json.dumps(self.spec), env=env, stdin=asyncio.subprocess.DEVNULL,
-        )
+        self.hello = None  # until this process says hello
+        beat = HeartbeatWatch(max(self.heartbeat_timeout_s, START_SILENCE_S))
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", self.CHILD_MODULE, "--endpoint", self.endpoint,
+                "--spec", json.dumps(self.spec), HEARTBEAT_FD_FLAG, str(beat.child_fd), env=env,
+                stdin=asyncio.subprocess.DEVNULL, pass_fds=(beat.child_fd,),
+            )
+        except BaseException:
+            beat.close()
+            raise
+        beat.spawned()
+        self._heartbeat, self.lost_reason, self._hung = beat, None, False
+        proc = self.proc
+        beat.watch(lambda silence: self._silent(proc, silence), lambda: self._closed(proc))
         self.starts += 1
         log.info("engine %d started (pid %d)", self.index, self.proc.pid)
         reply = await self._receive(self.start_timeout_s)
         if isinstance(reply, EngineFailure):
             await self.stop()
             raise EngineRefused(reply)
-        if not isinstance(reply, EngineHello):
+        if not isinstance(reply, self.HELLO_TYPE):
             await self.stop()
             raise EngineDied(f"engine sent {reply.TYPE} instead of hello")
         self.hello = reply
+        beat.timeout_s = self.heartbeat_timeout_s
         return reply
+
+    def _silent(self, proc: asyncio.subprocess.Process, silence_s: float) -> None:
+        """No heartbeat: the engine is stopped or wedged. SIGKILL (a stopped process ignores
+        SIGTERM); the call in flight, if any, then fails with EngineDied and this reason."""
+        if proc is not self.proc or proc.returncode is not None:
+            return
+        self.lost_reason = f"engine sent no heartbeat for {silence_s:.1f} s (hung); killed pid {proc.pid}"
+        self._hung = True
+        log.error("engine %d: %s", self.index, self.lost_reason)
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+        self._notify_lost()
+
+    def _closed(self, proc: asyncio.subprocess.Process) -> None:
+        """The heartbeat pipe closed: the process exited, perhaps while idle."""
+        if proc is not self.proc or self.lost_reason is not None:
+            return
+        self.lost_reason = f"engine process {proc.pid} exited"
+        self._notify_lost()
+
+    def _notify_lost(self) -> None:
+        if self.on_lost is not None:
+            self.on_lost()
 
     async def call(self, order: Message, timeout_s: float | None = None) -> Message:
         """Send one order and return its reply; EngineRefused for a failure reply."""
         async with self._lock:
             if not self.alive() or self._sock is None or self._peer is None:
-                raise EngineDied("engine is not running")
+                raise EngineDied(self.lost_reason or "engine is not running")
             await self._sock.send(order, identity=self._peer)
             reply = await self._receive(timeout_s or self.step_timeout_s)
         if isinstance(reply, EngineFailure):
@@ -109,8 +164,10 @@ class EngineLink:
             exited.cancel()
         if recv not in done:
             recv.cancel()
-            code = self.proc.returncode
+            code, hung = self.proc.returncode, self.lost_reason if self._hung else None
             await self.stop()
+            if hung is not None:
+                raise EngineDied(hung)
             if code is None:
                 raise EngineDied(f"engine did not answer within {timeout_s:.0f} s (hung); it was stopped")
             raise EngineDied(f"engine process exited with status {code}")
@@ -121,6 +178,16 @@ class EngineLink:
     async def stop(self, grace_s: float = 5.0) -> None:
         """Ask the engine to exit, then make sure it did; close the socket."""
         proc, self.proc = self.proc, None
+        hung, self._hung = self._hung, False
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+            self._heartbeat = None
+        if proc is not None and proc.returncode is None and hung:
+            try:
+                proc.kill()  # stopped or wedged: it will not read a shutdown order
+            except ProcessLookupError:
+                pass
+            await proc.wait()
         if proc is not None and proc.returncode is None:
             if self._sock is not None and self._peer is not None:
                 try:
@@ -140,6 +207,7 @@ class EngineLink:
     def describe(self) -> dict:
         hello = asdict(self.hello) if self.hello is not None else {}
         return {"index": self.index, "pid": self.pid, "alive": self.alive(), "starts": self.starts,
+                "ready": self.alive() and self.hello is not None,
                 "device": hello.get("device"), "num_pages": hello.get("num_pages")}
 
 

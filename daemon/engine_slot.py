@@ -11,10 +11,10 @@ import asyncio
 import logging
 from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
 from loraplex.daemon.config import LoraplexConfig
-from loraplex.daemon.engine_link import EngineLink, EngineRefused
+from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.memory.geometry import PageGeometry
-from loraplex.daemon.router.snapshot import engine_state
+from loraplex.daemon.router.snapshot import engine_state, step_ema
 from loraplex.daemon.router.state import EngineState
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.factory import make_scheduler
@@ -35,6 +35,7 @@ class EngineSlot:
         self.allocator: PageAllocator | None = None
         self.scheduler = None  # a daemon.scheduler policy, built when the engine is up
         self.load_mode = "on_demand"
+        self.store_segment: str | None = None  # the cache manager's host store; None: the engine reads disk
         self.pending: list[SeqRequest] = []  # routed here while the engine (re)starts
         self.carried: list[Sequence] = []  # sequences of a dead engine awaiting recompute
         self.work = asyncio.Event()
@@ -44,6 +45,7 @@ class EngineSlot:
         self.tokens = 0  # tokens computed (prefill + decode), for the router's rate
         self.busy_s = 0.0
         self.steps = 0
+        self.step_ms = 0.0  # moving average of step times (rank_aware's calibration)
 
     # ---- state ------------------------------------------------------------------------------
     @property
@@ -78,7 +80,7 @@ class EngineSlot:
         link = 0.0 if self.load_mode == "cached" else hello.link_bytes_per_s
         return engine_state(self.index, self.scheduler, rank_of=rank_of, bytes_of=bytes_of, max_num_seqs=max_seqs,
                             total_pages=hello.num_pages, tokens_per_s=self.tokens_per_s, load_bytes_per_s=link,
-                            healthy=self.healthy)
+                            healthy=self.healthy, step_ms=self.step_ms)
 
     # ---- requests ---------------------------------------------------------------------------
     def enqueue(self, seq: SeqRequest) -> None:
@@ -119,6 +121,7 @@ class EngineSlot:
         self.tokens += tokens
         self.busy_s += seconds
         self.steps += 1
+        self.step_ms = step_ema(self.step_ms, seconds * 1e3)
 
     # ---- engine bring-up ----------------------------------------------------------------------
     async def bring_up(self, adapters: AdapterTable, policy: str, cache_policy: str,
@@ -136,7 +139,8 @@ class EngineSlot:
                 adapters.put(AdapterEntry(name=name, path=path))
         scheduler = self.build_scheduler(policy, cache_policy, geometry, hello, load_groups, adapters)
         for entry in adapters.entries():
-            await self.load_adapter(entry)
+            if self.store_segment is None or entry.store_entry is not None:  # on disk: loaded when needed
+                await self.load_adapter(entry)
         self.scheduler = scheduler
         return hello
 
@@ -178,10 +182,16 @@ class EngineSlot:
         self.scheduler = fresh
         log.info("engine %d: scheduler switched to %s", self.index, name)
 
-    async def load_adapter(self, entry: AdapterEntry) -> None:
-        """Have the engine read and validate the adapter; the entry records what it reported."""
+    async def load_adapter(self, entry: AdapterEntry, *, keep_resident: bool = False) -> None:
+        """Have the engine take the adapter (from the host store when it sits there, else from
+        disk, validating it); the entry records what it reported. keep_resident: same content
+        as the engine's copy, which keeps its GPU pages."""
+        order = EngineLoadAdapter(name=entry.name, path=entry.path)
+        if self.store_segment is not None and entry.store_entry is not None:
+            order = EngineLoadAdapter(name=entry.name, path=entry.path, store_segment=self.store_segment,
+                                      store_entry=entry.store_entry, keep_resident=keep_resident)
         try:
-            reply = await self.link.call(EngineLoadAdapter(name=entry.name, path=entry.path))
+            reply = await self.link.call(order)
         except EngineRefused as exc:
             entry.failed(str(exc))
             log.warning("adapter %s failed to load on engine %d: %s", entry.name, self.index, exc)
@@ -198,9 +208,23 @@ class EngineSlot:
             except EngineRefused as exc:
                 log.warning("engine %d could not unload %s: %s", self.index, name, exc)
 
+    async def drop_adapter(self, name: str) -> None:
+        """Host-tier eviction: the engine drops its host copy and the GPU copy, if unreferenced
+        (a referenced stale copy goes with its last reference); usage counters stay."""
+        if self.scheduler is not None and not self.scheduler.adapters.refs(name):
+            self.scheduler.adapters.drop(name)
+        if self.link.alive():
+            try:
+                await self.link.call(EngineUnloadAdapter(name=name))
+            except (EngineRefused, EngineDied) as exc:
+                log.warning("engine %d could not drop %s: %s", self.index, name, exc)
+
     async def preload(self, adapters: AdapterTable) -> None:
-        """cached mode: every ready adapter is placed once and never evicted (its reference is kept)."""
+        """cached mode: every ready adapter is placed once and never evicted (its reference is kept);
+        one still on disk (the host store is full) is loaded on demand."""
         for entry in adapters.entries():
+            if self.store_segment is not None and entry.store_entry is None:
+                continue
             if entry.state == "ready" and not self.scheduler.adapters.is_resident(entry.name):
                 if not self.scheduler.adapters.acquire(entry.name, entry.num_pages):
                     log.warning("cached mode: no pool room for adapter %s on engine %d; it will load on demand",

@@ -16,6 +16,7 @@ from typing import Callable
 
 import zmq.asyncio
 
+from loraplex.daemon.cache_link import CacheManagerLink
 from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
 from loraplex.daemon.registry import AdapterRegistry, RegistryError, check_adapter_path
@@ -84,12 +85,19 @@ async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = No
         spec = {**dataclasses.asdict(config.model), "shm_instance": instance_id(runtime_dir)}
         engines = [engine_factory(ctx, runtime_dir, {**spec, "replica": i}, index=i,
                                   start_timeout_s=config.server.engine_start_timeout_s,
-                                  step_timeout_s=config.server.engine_step_timeout_s)
+                                  step_timeout_s=config.server.engine_step_timeout_s,
+                                  heartbeat_timeout_s=config.server.heartbeat_timeout_s)
                    for i in range(config.server.engines)]
+        # The host tier's process; a stub engine factory (tests, the overhead bench) runs without one.
+        cache = CacheManagerLink(ctx, runtime_dir, spec, start_timeout_s=config.server.engine_start_timeout_s,
+                                 step_timeout_s=config.server.engine_step_timeout_s,
+                                 heartbeat_timeout_s=config.server.heartbeat_timeout_s) \
+            if engine_factory is EngineLink else None
         swept = sweep_stale()
         if swept:
             log.info("removed %d stale shared-memory segments of dead daemons", len(swept))
-        return await _serve(config, registry, listeners, pub, engines, eps, ready, ctx, runtime_dir, reload_config)
+        return await _serve(config, registry, listeners, pub, engines, eps, ready, ctx, runtime_dir, reload_config,
+                            cache)
     finally:
         for sock in sockets:
             sock.close()
@@ -103,7 +111,8 @@ async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = No
 
 async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: list[Listener], pub,
                  engines: list[EngineLink], eps, ready: asyncio.Event | None, engine_ctx, runtime_dir,
-                 reload_config: Callable[[], LoraplexConfig] | None = None) -> int:
+                 reload_config: Callable[[], LoraplexConfig] | None = None,
+                 cache: CacheManagerLink | None = None) -> int:
     stop = asyncio.Event()
     drain_budget = [config.server.drain_timeout_s]
 
@@ -117,10 +126,11 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
     def make_cpu_pool():
         from loraplex.cpu_lora.pool import CpuWorkerPool
 
-        return CpuWorkerPool(engine_ctx, runtime_dir, num_workers=config.server.cpu_workers)
+        return CpuWorkerPool(engine_ctx, runtime_dir, num_workers=config.server.cpu_workers,
+                             heartbeat_timeout_s=config.server.heartbeat_timeout_s)
 
     core = ServingCore(config, engines, send=lambda ident, msg: dispatcher.send(ident, msg),
-                       make_cpu_pool=make_cpu_pool)
+                       make_cpu_pool=make_cpu_pool, cache=cache)
     dispatcher = Dispatcher(core, registry, config.server.adapter_dirs, listeners, on_drain=request_stop)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

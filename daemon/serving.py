@@ -22,12 +22,14 @@ from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
 from loraplex.daemon.engine_slot import EngineSlot
 from loraplex.daemon.replicas import Replicas, build_router
 from loraplex.daemon.serving_adapters import AdapterAdmin, Rejected
+from loraplex.daemon.serving_engines import EngineEvents
+from loraplex.daemon.serving_host import HostTierAdmin
 from loraplex.daemon.router import ROUTERS
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.request_state import ClientRequest
 from loraplex.daemon.cache.policies import POLICY_NAMES
 from loraplex.daemon.scheduler.factory import POLICIES
-from loraplex.daemon.scheduler.sequence import SeqRequest
+from loraplex.daemon.scheduler.sequence import Sequence, SeqRequest
 from loraplex.daemon.stats import ServingStats
 from loraplex.errors import CapacityError
 from loraplex.ipc.engine_plan import SamplingSpec, StepPlan
@@ -46,12 +48,11 @@ from loraplex.ipc.protocol import (
 log = logging.getLogger("loraplex.daemon")
 Send = Callable[[bytes, Message], Awaitable[None]]
 MAX_STEP_FAILURES = 3
-MAX_ENGINE_RETRIES = 2
 
 
-class ServingCore(AdapterAdmin):
+class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
     def __init__(self, config: LoraplexConfig, engines: EngineLink | SequenceOf[EngineLink], send: Send,
-                 make_cpu_pool: Callable[[], object] | None = None) -> None:
+                 make_cpu_pool: Callable[[], object] | None = None, cache: EngineLink | None = None) -> None:
         self.config = config
         links = list(engines) if isinstance(engines, (list, tuple)) else [engines]
         self.slots = [EngineSlot(i, link, config) for i, link in enumerate(links)]
@@ -75,6 +76,13 @@ class ServingCore(AdapterAdmin):
         self._per_client: dict[bytes, int] = {}  # identity -> requests in flight
         self._held: dict[str, list[SeqRequest]] = {}  # adapter being replaced -> requests waiting for it
         self._departed = asyncio.Event()  # set whenever a request leaves
+        # The host tier (daemon/serving_host.py): the cache manager process (a CacheManagerLink) owns
+        # the host store; None: each engine reads adapters from disk into its own memory.
+        self.cache = cache
+        self.host_tier = None  # daemon.host_tier.HostTier once the cache manager is up
+        self._host_lock = asyncio.Lock()
+        self._host_loads: dict[str, asyncio.Task] = {}  # adapter -> load for requests held for it
+        self._cache_recovery: asyncio.Task | None = None
 
     # The first engine, for callers that think of one engine (the watchdog, single-engine tests).
     @property
@@ -99,11 +107,23 @@ class ServingCore(AdapterAdmin):
         start stepping. Raises EngineDied / EngineRefused if an engine cannot start."""
         for name, path, pinned in adapters:
             self.adapters.put(AdapterEntry(name=name, path=path, pinned=pinned))
+        if self.cache is not None:  # before the engines: they attach its store
+            await self._cache_up()
+            async with self._host_lock:
+                for entry in self.adapters.entries():
+                    if entry.pinned:
+                        self.host_tier.pin(entry.name)
+                    try:  # no eviction at start: what does not fit stays on disk until a request needs it
+                        await self._host_admit(entry, evict=False)
+                    except EngineRefused as exc:
+                        entry.failed(str(exc))
         results = await asyncio.gather(*(self._engine_up(slot) for slot in self.slots), return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
             for slot in self.slots:
                 await slot.link.stop()
+            if self.cache is not None:
+                await self._stop_cache()
             raise failure
         for slot in self.slots:
             slot.loop_task = asyncio.create_task(self._step_loop(slot), name=f"step-loop-{slot.index}")
@@ -151,6 +171,8 @@ class ServingCore(AdapterAdmin):
         self.router_name = name
 
     def pin_adapter(self, name: str, pinned: bool) -> None:
+        if self.host_tier is not None:
+            (self.host_tier.pin if pinned else self.host_tier.unpin)(name)
         for slot in self.slots:
             if slot.scheduler is not None:
                 (slot.scheduler.adapters.pin if pinned else slot.scheduler.adapters.unpin)(name)
@@ -184,6 +206,8 @@ class ServingCore(AdapterAdmin):
             await slot.link.stop()
         if self.cpu is not None:
             await self.cpu.pool.stop()
+        if self.cache is not None:  # last: engines may read its store until they exit
+            await self._stop_cache()
 
     async def drain(self, timeout_s: float) -> bool:
         """Stop admitting; wait up to `timeout_s` for in-flight requests. True if all finished."""
@@ -231,8 +255,12 @@ class ServingCore(AdapterAdmin):
         self.requests[key] = state
         self._per_client[identity] = per_client + 1
         self._idle.clear()
+        if msg.adapter is not None and self.host_tier is not None:
+            self._note_tier(msg.adapter)
         if msg.adapter is not None and self.adapters.get(msg.adapter).replacing:
             self._held.setdefault(msg.adapter, []).append(seq)  # routed once the new weights are in
+        elif msg.adapter is not None and self._needs_host_load(msg.adapter):
+            self._hold_for_host(msg.adapter, seq)  # on disk: routed once the host store holds it
         else:
             slot = self.replicas.choose(seq, self.adapters)
             try:
@@ -294,8 +322,13 @@ class ServingCore(AdapterAdmin):
     async def _step_loop(self, slot: EngineSlot) -> None:
         """One engine's iteration loop: schedule, run the step, stream what it produced."""
         failures = 0
+        held: list[Sequence] = []  # set aside after an out-of-memory step; requeued after the next good one
+        slot.link.on_lost = slot.work.set  # an engine that dies or hangs while idle wakes this loop
         while True:
             await slot.work.wait()
+            if not slot.link.alive():
+                await self._engine_lost(slot, getattr(slot.link, "lost_reason", None) or "the engine exited")
+                continue
             policy_started = time.perf_counter()
             if slot.policy_switch is not None:
                 slot.apply_policy_switch(self.cache_policy, self.adapters)
@@ -309,6 +342,10 @@ class ServingCore(AdapterAdmin):
                 for aborted in sched.take_aborted():  # SLO early abort (S-LoRA 4.3)
                     await self._fail(aborted.request_id, ErrorCode(aborted.code), aborted.message)
             if plan is None:
+                if held:  # nothing else runs: what an out-of-memory step set aside goes now
+                    self._requeue_held(slot, held)
+                    held = []
+                    continue
                 slot.work.clear()
                 continue
             if self.cpu is not None and plan.merged_adapter is None:
@@ -320,6 +357,9 @@ class ServingCore(AdapterAdmin):
                 reply = await slot.link.call(EngineStep(plan=plan))
             except EngineRefused as exc:
                 sched.discard_inflight()
+                if exc.code == ErrorCode.OVERLOADED.value and plan.rows:  # out of memory; the engine is fine
+                    held += await self._shrink_after_oom(slot, plan, str(exc))
+                    continue
                 failures += 1
                 log.error("engine %d step failed (%d in a row): %s", slot.index, failures, exc)
                 if failures >= MAX_STEP_FAILURES:
@@ -338,33 +378,9 @@ class ServingCore(AdapterAdmin):
                                 schedule_ms + (time.perf_counter() - returned) * 1e3)
                 if self.cpu is not None:
                     self.cpu.observe(plan, reply.result)
-
-    def migrate(self, key: str, target: int) -> None:
-        """Move request `key` (queued or running) to engine `target` between two of its engine's
-        steps; a running one continues there by recompute from its prompt and streamed tokens."""
-        state = self.requests.get(key)
-        if state is None or not 0 <= target < len(self.slots):
-            raise Rejected(ErrorCode.NOT_FOUND, f"no request {key!r} in flight, or no engine {target}")
-        source = self.slots[state.engine]
-        source.moves.append((key, target))
-        source.work.set()
-
-    def _carry_out_moves(self, slot: EngineSlot) -> None:
-        moves, slot.moves = slot.moves, []
-        for key, target in moves:
-            if self.replicas.migrate(key, slot.index, target) is not None and key in self.requests:
-                self.requests[key].engine = target
-                self.requests[key].migrations += 1
-
-    def _rebalance(self) -> None:
-        """Carry out the router's request-adapter co-migrations (dlora); each moved request is
-        recomputed on its new engine from its prompt and the tokens already streamed."""
-        for migration, seqs in self.replicas.rebalance(self.adapters):
-            for seq in seqs:
-                state = self.requests.get(seq.request_id)
-                if state is not None:
-                    state.engine = migration.target
-                    state.migrations += 1
+            if held:
+                self._requeue_held(slot, held)
+                held = []
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         placed = {p.name for p in plan.place}
@@ -449,49 +465,6 @@ class ServingCore(AdapterAdmin):
         if not self.requests:
             self._idle.set()
 
-    # ---- engine failure -----------------------------------------------------------------------
-    async def _engine_lost(self, slot: EngineSlot, reason: str) -> None:
-        """Restart a dead engine. Its requests go to another healthy engine at once, or wait for
-        this one; either way they are recomputed from their prompt and the tokens already
-        streamed (up to MAX_ENGINE_RETRIES times each), so nothing is lost or repeated."""
-        log.error("engine %d lost: %s", slot.index, reason)
-        self.stats.engine_restarts += 1
-        seqs, pending = slot.take_all()
-        for seq in seqs:
-            state = self.requests.get(seq.request_id)
-            if state is None:
-                continue
-            state.engine_retries += 1
-            if state.engine_retries > MAX_ENGINE_RETRIES:
-                await self._fail(seq.request_id, ErrorCode.ENGINE_FAILED,
-                                 f"the engine failed {state.engine_retries} times while running this request "
-                                 f"({reason})")
-                continue
-            target = self.replicas.choose(seq, self.adapters, exclude=slot.index)
-            state.engine = target.index
-            target.adopt_sequence(seq)
-            self.replicas.rerouted += target is not slot
-        for req in pending:
-            target = self.replicas.choose(req, self.adapters, exclude=slot.index)
-            if req.request_id in self.requests:
-                self.requests[req.request_id].engine = target.index
-            target.enqueue(req)
-            self.replicas.rerouted += target is not slot
-        delay = 0.5
-        while True:
-            try:
-                await self._engine_up(slot)
-                log.info("engine %d restarted", slot.index)
-                return
-            except (EngineDied, EngineRefused, OSError) as exc:
-                log.error("engine %d restart failed: %s; retrying in %.1f s", slot.index, exc, delay)
-                waiting = [s.request_id for s in slot.carried] + [r.request_id for r in slot.pending]
-                slot.carried, slot.pending = [], []
-                for key in waiting:
-                    await self._fail(key, ErrorCode.UNAVAILABLE, f"the engine could not be restarted: {exc}")
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
-
     def _rank_of(self, name: str) -> int:
         entry = self.adapters.get(name)
         return entry.rank if entry is not None else 0
@@ -526,6 +499,7 @@ class ServingCore(AdapterAdmin):
             waiting_adapters=sorted({q.req.adapter for s in scheds for q in s.waiting if q.req.adapter}),
             merged_adapter=first.merged_adapter if first is not None else None,
             max_loras_per_batch=self.config.scheduler.max_loras_per_batch,
+            host_tier=self.host_snapshot(),
         )
 
 

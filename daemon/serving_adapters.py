@@ -14,6 +14,7 @@ import logging
 
 from loraplex.daemon.adapter_hash import adapter_content_hash, adapter_fingerprint
 from loraplex.daemon.adapter_table import AdapterEntry
+from loraplex.daemon.engine_link import EngineRefused
 from loraplex.ipc.errors import ErrorCode
 
 log = logging.getLogger("loraplex.daemon")
@@ -29,24 +30,42 @@ class Rejected(Exception):
 
 
 class AdapterAdmin:
-    """Needs from its host class: adapters, slots, requests, load_mode, replicas, _held, _departed."""
+    """Needs from its host class: adapters, slots, requests, load_mode, replicas, _held, _departed,
+    and the host tier's (daemon/serving_host.py) cache, host_tier and its methods."""
 
     async def add_adapter(self, name: str, path: str, pinned: bool = False) -> AdapterEntry:
         if name in self.adapters:
             raise Rejected(ErrorCode.ALREADY_EXISTS, f"adapter {name!r} is already registered")
         entry = AdapterEntry(name=name, path=path, pinned=pinned)
         await _hash_into(entry)
-        for slot in self.slots:
-            if slot.link.alive():
-                await slot.load_adapter(entry)
-                if entry.state != "ready":
-                    raise Rejected(ErrorCode.INVALID_ADAPTER, entry.error or "the engine refused the adapter")
+        if self.cache is not None:  # host store first (or on disk when it is full), then every engine
+            await self._add_through_cache(entry)
+        else:
+            for slot in self.slots:
+                if slot.link.alive():
+                    await slot.load_adapter(entry)
+                    if entry.state != "ready":
+                        raise Rejected(ErrorCode.INVALID_ADAPTER, entry.error or "the engine refused the adapter")
         self.adapters.put(entry)
-        if self.load_mode == "cached" and entry.state == "ready":
+        if self.load_mode == "cached" and entry.state == "ready" and (self.cache is None or entry.store_entry):
             for slot in self.slots:  # placed with the next step, kept for good
                 if slot.scheduler is not None:
                     slot.scheduler.adapters.acquire(name, entry.num_pages)
         return entry
+
+    async def _add_through_cache(self, entry: AdapterEntry) -> None:
+        if entry.pinned:
+            self.host_tier.pin(entry.name)
+        try:
+            await self._register_with_cache(entry)
+        except EngineRefused as exc:
+            entry.failed(str(exc))
+        if entry.state != "ready":
+            self.host_tier.unpin(entry.name)
+            for slot in self.slots:
+                await slot.unload_adapter(entry.name)
+            await self._forget_in_cache(entry.name)
+            raise Rejected(ErrorCode.INVALID_ADAPTER, entry.error or "the adapter was refused")
 
     async def replace_adapter(self, name: str, path: str) -> tuple[AdapterEntry, bool]:
         """Serve the adapter at `path` as `name` (registering it if new). Returns (entry, changed):
@@ -73,17 +92,25 @@ class AdapterAdmin:
             for slot in self.slots:
                 if slot.scheduler is not None:
                     slot.scheduler.adapters.invalidate(name)  # unreferenced now, so freed at once
-                if slot.link.alive():
+                if slot.link.alive() and self.cache is None:
                     await slot.load_adapter(entry)  # the engine drops its old host and GPU copies
+            if self.cache is not None:
+                await self._reload_in_cache(entry)
             log.info("adapter %s replaced (content %s)", name, entry.content_hash[:12])
         finally:
             entry.replacing = False
-            self._release_held(name)
+            self._release_or_load(name)
         return entry, True
 
     async def _validate_elsewhere(self, fresh: AdapterEntry) -> None:
         """Have one engine check the new files under a scratch name, so bad files never
         disturb the adapter being served."""
+        if self.cache is not None:
+            try:
+                await self._validate_in_cache(f"{fresh.name}.replacing", fresh.path)
+            except EngineRefused as exc:
+                raise Rejected(ErrorCode.INVALID_ADAPTER, str(exc)) from None
+            return
         slot = next((s for s in self.slots if s.link.alive()), None)
         if slot is None:
             return
@@ -114,6 +141,8 @@ class AdapterAdmin:
         self.adapters.pop(name)
         for slot in self.slots:
             await slot.unload_adapter(name)
+        if self.cache is not None:  # after the engines: none may read a freed extent
+            await self._forget_in_cache(name)
 
     def adapter_list(self) -> list[dict[str, object]]:
         residencies = [s.scheduler.adapters for s in self.slots if s.scheduler is not None]

@@ -2,27 +2,26 @@
 the daemon's orders (step plans, adapter loads) over one DEALER socket.
 
 It makes no policy decision. It dies with its parent (PDEATHSIG), names its
-role in its command line and process name, and reports every failure it can
-survive as an `engine_failure` reply instead of exiting.
+role in its command line and process name, heartbeats to the daemon over an
+inherited pipe, and reports every failure it can survive as an
+`engine_failure` reply instead of exiting (out of memory: code `overloaded`).
 """
 from __future__ import annotations
 
-import argparse
-import ctypes
-import json
 import logging
 import os
-import signal
-import sys
 import time
 import traceback
 
 import torch
-import zmq
 
 from loraplex.errors import LoraplexRequestError
-from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
+from loraplex.gpu_engine.child_process import run_child
+from loraplex.gpu_engine.faults import install_faults
+from loraplex.daemon.memory.geometry import AdapterLayout
+from loraplex.gpu_engine.lora.peft_adapter import HostAdapter, load_peft_adapter
 from loraplex.gpu_engine.runtime import EngineRuntime, EngineSpec, build_runtime
+from loraplex.gpu_engine.store_reader import StoreReader
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
     EngineAdapterLoaded,
@@ -35,26 +34,17 @@ from loraplex.ipc.protocol import (
     EngineUnloadAdapter,
     Message,
 )
-from loraplex.ipc.sockets import TypedSocket, make_dealer
+from loraplex.ipc.sockets import TypedSocket
 
 ROLE = "loraplex-engine"
 log = logging.getLogger(ROLE)
-_PR_SET_PDEATHSIG = 1
-_PR_SET_NAME = 15
-
-
-def _linux_process_setup() -> None:
-    """Die with the daemon, and show as loraplex-engine in ps/top."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        libc.prctl(_PR_SET_NAME, ROLE.encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the daemon's supervisor still kills us on exit
+# torch.OutOfMemoryError since 2.5; torch.cuda.OutOfMemoryError (its alias now) before.
+_OOM_ERRORS = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
 
 
 class CpuAssistResources:
-    """The shared-memory side of cpu_assist: host store and exchange, owned (and unlinked) here."""
+    """The shared-memory side of cpu_assist: the exchange, owned (and unlinked) here, and the host
+    store: the cache manager's when the daemon runs one (spec.host_store_segment), else our own."""
 
     def __init__(self, runtime: EngineRuntime) -> None:
         from loraplex.gpu_engine.cpu_assist import CpuAssistEngine
@@ -63,21 +53,24 @@ class CpuAssistResources:
 
         spec, cfg = runtime.spec, runtime.config
         instance = spec.shm_instance or f"e{os.getpid()}"
-        self.store = HostStore(segment_name(instance, "store"), spec.host_store_bytes,
-                               runtime.executor.pool.data.dtype, pin=runtime.executor.device.type == "cuda")
+        self.store = None if spec.host_store_segment else HostStore(
+            segment_name(instance, "store"), spec.host_store_bytes, runtime.executor.pool.data.dtype,
+            pin=runtime.executor.device.type == "cuda")
         try:
             self.assist = CpuAssistEngine(segment_name(instance, "xchg0"), num_layers=cfg.num_layers,
                                           hidden=cfg.hidden_size, q_dim=cfg.q_dim, kv_dim=cfg.kv_dim,
                                           intermediate=cfg.intermediate_size, max_tokens=spec.exchange_max_tokens,
                                           cuda=runtime.executor.device.type == "cuda")
         except BaseException:
-            self.store.close()
+            if self.store is not None:
+                self.store.close()
             raise
         runtime.executor.cpu_assist = self.assist
 
     def close(self) -> None:
         self.assist.close()
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
 
 
 def measure_link_bytes_per_s(runtime: EngineRuntime) -> float:
@@ -103,9 +96,9 @@ def hello_for(runtime: EngineRuntime, demo: bool, resources: CpuAssistResources 
     cfg = runtime.config
     demo_adapters: dict[str, str] = {}
     if demo:
-        from loraplex.gpu_engine.demo import ensure_demo_model
+        from loraplex.gpu_engine.demo import builtin_demo
 
-        demo_adapters = {name: str(path) for name, path in ensure_demo_model().adapters.items()}
+        demo_adapters = {name: str(path) for name, path in builtin_demo().adapters.items()}
     return EngineHello(
         pid=os.getpid(), model_dir=str(runtime.model_dir), device=runtime.spec.device, dtype=runtime.spec.dtype,
         vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, kv_dim=cfg.kv_dim,
@@ -113,7 +106,8 @@ def hello_for(runtime: EngineRuntime, demo: bool, resources: CpuAssistResources 
         page_elems=runtime.geometry.page_elems, eos_token_ids=list(cfg.eos_token_ids),
         bos_token_id=cfg.bos_token_id, lora_backend=runtime.spec.lora_backend, demo_adapters=demo_adapters,
         load_mode=runtime.spec.adapter_load_mode, link_bytes_per_s=measure_link_bytes_per_s(runtime),
-        store_segment=resources.store.name if resources else "",
+        store_segment=(resources.store.name if resources.store else runtime.spec.host_store_segment)
+        if resources else "",
         exchange=resources.assist.layout if resources else None,
     )
 
@@ -125,6 +119,7 @@ class EngineServer:
         self.sock = sock
         self.demo = demo
         self.resources = resources
+        self.stores = StoreReader(pin=runtime.executor.device.type == "cuda")  # the cache manager's store
 
     def serve(self) -> None:
         self.sock.send(hello_for(self.runtime, self.demo, self.resources))
@@ -139,6 +134,12 @@ class EngineServer:
         if isinstance(msg, EngineStep):
             try:
                 return EngineStepDone(result=executor.execute(msg.plan))
+            except _OOM_ERRORS as exc:  # the daemon retries with a smaller batch; we stay up
+                log.error("step %d ran out of memory: %s", msg.plan.step_id, exc)
+                if executor.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                return EngineFailure(code=ErrorCode.OVERLOADED.value, message=f"out of memory: {exc}",
+                                     subject=str(msg.plan.step_id))
             except Exception as exc:  # the daemon re-plans the step; the process keeps serving
                 log.error("step %d failed: %s", msg.plan.step_id, traceback.format_exc())
                 return EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"step failed: {exc}",
@@ -147,7 +148,8 @@ class EngineServer:
             return self._load(msg)
         if isinstance(msg, EngineUnloadAdapter):
             executor.remove_host_adapter(msg.name)
-            if self.resources is not None:
+            self.stores.forget(msg.name)
+            if self.resources is not None and self.resources.store is not None:
                 self.resources.store.remove(msg.name)
             return EngineAdapterLoaded(name=msg.name, rank=0, target_modules=[], num_pages=0, nbytes=0)
         return EngineFailure(code=ErrorCode.UNKNOWN_TYPE.value, message=f"engine cannot handle {msg.TYPE}")
@@ -155,16 +157,27 @@ class EngineServer:
     def _load(self, msg: EngineLoadAdapter) -> Message:
         executor = self.runtime.executor
         try:
-            adapter = load_peft_adapter(msg.name, msg.path, self.runtime.config,
-                                        max_lora_rank=self.runtime.spec.max_lora_rank,
-                                        dtype=executor.pool.data.dtype)
+            if msg.store_entry is not None:  # weights already in the cache manager's store: view them
+                adapter = self.stores.adapter(msg.name, msg.path, msg.store_segment, msg.store_entry,
+                                              self.runtime.config, max_lora_rank=self.runtime.spec.max_lora_rank)
+            else:
+                adapter = load_peft_adapter(msg.name, msg.path, self.runtime.config,
+                                            max_lora_rank=self.runtime.spec.max_lora_rank,
+                                            dtype=executor.pool.data.dtype)
         except LoraplexRequestError as exc:
             return EngineFailure(code=exc.code, message=str(exc), subject=msg.name)
         except OSError as exc:
             return EngineFailure(code=ErrorCode.INVALID_ADAPTER.value, message=str(exc), subject=msg.name)
+        if msg.store_entry is not None:
+            layout = (executor.rebind_host_adapter if msg.keep_resident else self._replace_host)(adapter)
+            self.stores.bind(msg.name, msg.store_segment)
+            return EngineAdapterLoaded(name=msg.name, rank=adapter.spec.rank, target_modules=list(adapter.spec.targets),
+                                       num_pages=layout.num_pages, nbytes=adapter.nbytes, store_entry=msg.store_entry,
+                                       scaling=adapter.spec.scaling)
         executor.remove_host_adapter(msg.name)  # a reload replaces the old weights
+        self.stores.forget(msg.name)
         entry = None
-        if self.resources is not None:
+        if self.resources is not None and self.resources.store is not None:
             cfg = self.runtime.config
             try:
                 entry = self.resources.store.put(adapter, cfg.module_shapes(), cfg.num_layers)
@@ -175,37 +188,31 @@ class EngineServer:
                                    num_pages=layout.num_pages, nbytes=adapter.nbytes, store_entry=entry,
                                    scaling=adapter.spec.scaling)
 
+    def _replace_host(self, adapter: HostAdapter) -> AdapterLayout:
+        self.runtime.executor.remove_host_adapter(adapter.name)  # a reload replaces the old weights
+        return self.runtime.executor.add_host_adapter(adapter)
+
+
+def _start(spec: EngineSpec) -> tuple[EngineRuntime, CpuAssistResources | None]:
+    runtime = build_runtime(spec)
+    install_faults(runtime.executor.model)  # test-only: no-op unless LORAPLEX_FAULTS is set
+    resources = CpuAssistResources(runtime) if runtime.spec.adapter_load_mode == "cpu_assist" else None
+    return runtime, resources
+
+
+def _serve(state: tuple[EngineRuntime, CpuAssistResources | None], sock: TypedSocket, demo: bool) -> None:
+    runtime, resources = state
+    server = EngineServer(runtime, sock, demo=demo, resources=resources)
+    try:
+        server.serve()
+    finally:
+        server.stores.close()
+        if resources is not None:
+            resources.close()
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=ROLE, description="loraplex engine process (started by the daemon)")
-    parser.add_argument("--endpoint", required=True, help="the daemon's private engine endpoint")
-    parser.add_argument("--spec", required=True, help="EngineSpec fields as a JSON object")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"{ROLE} %(levelname)s %(message)s", stream=sys.stderr)
-    _linux_process_setup()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which drains and then stops us
-    ctx = zmq.Context()
-    sock = make_dealer(ctx, args.endpoint)
-    try:
-        try:
-            spec = EngineSpec(**json.loads(args.spec))
-            runtime = build_runtime(spec)
-            resources = CpuAssistResources(runtime) if runtime.spec.adapter_load_mode == "cpu_assist" else None
-        except Exception as exc:  # report why we cannot start, then exit: restarting will not help
-            log.error("engine failed to start: %s", traceback.format_exc())
-            sock.send(EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"engine failed to start: {exc}",
-                                    fatal=True))
-            return 2
-        try:
-            EngineServer(runtime, sock, demo=spec.model is None, resources=resources).serve()
-        finally:
-            if resources is not None:
-                resources.close()
-        return 0
-    finally:
-        sock.close()
-        ctx.term()
+    return run_child(ROLE, "engine", argv, _start, _serve)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,19 @@ class Executor:
         self.host[adapter.name] = HostEntry(adapter, layout)
         return layout
 
+    def rebind_host_adapter(self, adapter: HostAdapter) -> AdapterLayout:
+        """The same content in new host memory (a restarted cache manager's store): the GPU
+        copy stays; copies still reading the old memory finish first."""
+        entry = self.host.get(adapter.name)
+        if entry is None:
+            return self.add_host_adapter(adapter)
+        load = self.loads.pop(adapter.name, None)
+        if load is not None:
+            for layer_group in load.groups:
+                load.wait_layer(layer_group.start)
+        entry.adapter = adapter
+        return entry.layout
+
     def remove_host_adapter(self, name: str) -> None:
         self.merge.forget(name)
         self._drop_resident(name)

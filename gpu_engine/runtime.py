@@ -42,6 +42,7 @@ class EngineSpec:
     host_store_bytes: int = 256 << 20
     exchange_max_tokens: int = 2048
     shm_instance: str | None = None  # names the shared-memory segments (set by the daemon)
+    host_store_segment: str = ""  # set by the daemon: the cache manager's store; the engine only attaches it
     replica: int = 0  # which of the daemon's engines this is: `cuda` means GPU (replica mod GPU count)
 
     def resolved(self) -> EngineSpec:
@@ -65,9 +66,9 @@ class EngineSpec:
             raise ValueError(f"max_lora_rank must be a positive integer, got {self.max_lora_rank!r}")
         model = self.model
         if model is None:
-            from loraplex.gpu_engine.demo import ensure_demo_model
+            from loraplex.gpu_engine.demo import builtin_demo
 
-            model = str(ensure_demo_model().model_dir)
+            model = str(builtin_demo().model_dir)
         mode = self.adapter_load_mode
         if mode == "auto":
             mode = "cpu_assist" if device.startswith("cuda") else "on_demand"

@@ -27,6 +27,7 @@ from loraplex.ipc.messages.base import (
     message_types,
     register,
 )
+from loraplex.ipc.messages.cache import CacheHello, CacheStoreFull
 from loraplex.ipc.messages.checks import (
     MAX_NAME_LEN,
     MAX_PATH_LEN,
@@ -110,6 +111,8 @@ __all__ = [
     "CpuWorkerFailure",
     "CpuWorkerHello",
     "CpuWorkerShutdown",
+    "CacheHello",
+    "CacheStoreFull",
     "EngineAdapterLoaded",
     "EngineFailure",
     "EngineHello",

@@ -28,17 +28,20 @@ def _configure_demo_model(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         type=Path,
         default=None,
-        help="where to put the demo (default: $LORAPLEX_CACHE_DIR/demo-v1 or ~/.cache/loraplex/demo-v1)",
+        help="copy the demo here (default: the trained demo is used in place from the package; "
+             "the random one is written to $LORAPLEX_CACHE_DIR/demo-v1 or ~/.cache/loraplex/demo-v1)",
     )
     parser.add_argument("--force", action="store_true", help="rewrite the demo even if it is already complete")
+    parser.add_argument("--kind", choices=("trained", "random"), default=None,
+                        help="which demo (default: $LORAPLEX_DEMO, else trained)")
 
 
 def _run_demo_model(args: argparse.Namespace) -> int:
-    from loraplex.gpu_engine.demo import ensure_demo_model
+    from loraplex.gpu_engine.demo import builtin_demo
 
     try:
-        demo = ensure_demo_model(args.dir, force=args.force)
-    except OSError as exc:
+        demo = builtin_demo(args.dir, force=args.force, kind=args.kind)
+    except (OSError, ValueError) as exc:
         print(f"loraplex demo-model: error: {exc}", file=sys.stderr)
         return 1
     print(f"model\t{demo.model_dir}")
@@ -48,44 +51,46 @@ def _run_demo_model(args: argparse.Namespace) -> int:
 
 
 DEMO_PROMPTS = (
-    ("The river that runs through the valley", None),
-    ("The river that runs through the valley", "qv-r8"),
-    ("In the morning the old house was quiet", "all-r32"),
-    ("In the morning the old house was quiet", "mlp-r64"),
-    ("She opened the letter and read", "rslora-r16"),
-    ("She opened the letter and read", None),
+    "ROMEO:\nWhat",
+    "First Citizen:\nWe are",
 )
 
 
 def _configure_demo(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=24, help="new tokens per prompt (default 24)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt (default 32)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    """Offline demo: the built-in model answers a few prompts through several adapters in one batch."""
+    """Offline demo: the built-in model answers each prompt as the base and through every adapter, in one batch."""
     import time
 
     from loraplex.gpu_engine import LLM, SamplingParams
-    from loraplex.gpu_engine.demo import ensure_demo_model
+    from loraplex.gpu_engine.demo import STYLES, builtin_demo
 
     print("loraplex demo: preparing the built-in demo model ...", file=sys.stderr)
-    demo = ensure_demo_model()
+    demo = builtin_demo()
     llm = LLM(demo.model_dir, device=args.device)
     for name, path in demo.adapters.items():
         llm.add_adapter(name, path)
     print(f"loraplex demo: model {demo.model_dir}, adapters: {', '.join(demo.adapters)}", file=sys.stderr)
-    prompts = [p for p, _ in DEMO_PROMPTS]
-    adapters = [a for _, a in DEMO_PROMPTS]
+    rows = [(prompt, adapter) for prompt in DEMO_PROMPTS for adapter in (None, *demo.adapters)]
+    prompts = [p for p, _ in rows]
+    adapters = [a for _, a in rows]
     started = time.perf_counter()
     outs = llm.generate(prompts, adapters=adapters,
                         sampling=SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))
     elapsed = time.perf_counter() - started
+    width = max(len(a or "base") for a in adapters)
     for prompt, adapter, out in zip(prompts, adapters, outs):
-        print(f"[{adapter or 'base'}] {prompt!r} -> {out.text!r}")
+        print(f"[{adapter or 'base':<{width}}] {prompt!r} -> {out.text!r}")
     total = sum(len(o.token_ids) for o in outs)
     print(f"{len(outs)} requests, {total} tokens in {elapsed:.2f} s ({total / elapsed:.0f} tokens/s, one mixed batch)")
-    print("(the demo weights are random: text is gibberish, but each adapter changes it)")
+    styles = {style.name: style.description for style in STYLES}
+    if set(demo.adapters) <= set(styles):
+        print("adapters: " + "; ".join(f"{name} {styles[name]}" for name in demo.adapters))
+    else:
+        print("(the random demo's weights are random: text is gibberish, but each adapter changes it)")
     return 0
 
 
@@ -99,6 +104,7 @@ _SERVE_FLAGS = (
     ("--num-pages", "model.num_pages", int, "unified pool size in pages"),
     ("--adapter-load-mode", "model.adapter_load_mode", str, "auto, cached, on_demand or cpu_assist"),
     ("--cpu-workers", "server.cpu_workers", int, "CPU LoRA worker processes (cpu_assist)"),
+    ("--host-store-bytes", "model.host_store_bytes", int, "host adapter store size (the cache manager's)"),
     ("--max-num-seqs", "scheduler.max_num_seqs", int, "most sequences per iteration"),
     ("--max-batched-tokens", "scheduler.max_batched_tokens", int, "token budget per iteration"),
     ("--scheduler", "scheduler.policy", str, "scheduling policy: fcfs, mlq or dlora"),
@@ -455,7 +461,7 @@ COMMANDS: dict[str, Command] = {
         run=_run_demo,
     ),
     "demo-model": Command(
-        help="write the built-in random demo model and its LoRA adapters (once; reused afterwards)",
+        help="show the built-in demo model and its LoRA adapters, or copy them to DIR (once; reused afterwards)",
         configure=_configure_demo_model,
         run=_run_demo_model,
     ),

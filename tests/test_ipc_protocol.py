@@ -44,6 +44,8 @@ from loraplex.ipc.adapter_store import store_entry_layout
 from loraplex.ipc.engine_plan import AdapterPlacement, RowPlan, RowResult, SamplingSpec, StepPlan, StepResult
 from loraplex.ipc.exchange import exchange_layout
 from loraplex.ipc.protocol import (
+    CacheHello,
+    CacheStoreFull,
     CpuCalibrate,
     CpuCalibration,
     CpuJobDone,
@@ -75,7 +77,12 @@ SAMPLES: list[Message] = [
                 eos_token_ids=[2], bos_token_id=1, lora_backend="triton", demo_adapters={"a": "/d/a"},
                 load_mode="cpu_assist", link_bytes_per_s=2.5e10, store_segment="/lpx-0123456789ab-store",
                 exchange=_EXCHANGE),
-    EngineLoadAdapter(name="sql", path="/adapters/sql"),
+    EngineLoadAdapter(name="sql", path="/adapters/sql", store_segment="/lpx-0123456789ab-store-g1", store_entry=_ENTRY,
+                      keep_resident=True),
+    CacheHello(pid=43, store_segment="/lpx-0123456789ab-store-g1", capacity_bytes=1 << 20, dtype="bfloat16",
+               model_dir="/m", demo_adapters={"a": "/d/a"}),
+    CacheStoreFull(name="sql", needed_bytes=4096, free_bytes=1024, largest_free=512, rank=16, target_modules=["q_proj"],
+                   num_pages=3, nbytes=4000, scaling=0.5),
     EngineAdapterLoaded(name="sql", rank=16, target_modules=["q_proj"], num_pages=3, nbytes=1024, store_entry=_ENTRY,
                         scaling=0.5),
     EngineUnloadAdapter(name="sql"),
@@ -133,7 +140,7 @@ SAMPLES: list[Message] = [
     ),
     StatsReply(stats={"queue_depth": 3, "gpu": {"util": 0.5, "pages": [1, 2]}, "name": "x"}, request_id="s1"),
     PongReply(request_id="p1"),
-    AddAdapterRequest(name="a1", path="/srv/adapters/a1", request_id="adm-1"),
+    AddAdapterRequest(name="a1", path="/srv/adapters/a1", request_id="adm-1", replace=True),
     RemoveAdapterRequest(name="a1", request_id="adm-2"),
     PinAdapterRequest(name="a1", pinned=False, request_id="adm-3"),
     DrainRequest(timeout_s=2.5, request_id="adm-4"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -174,3 +175,18 @@ def test_dlora_rebalance_is_sound(engines, imbalance) -> None:
     assert max(after) <= before + 1e-9
     if moves:
         assert after[moves[0].source] < pending_s(engines[moves[0].source])
+
+
+def test_rank_aware_calibrates_with_observed_step_times() -> None:
+    profile = PerfProfile(mbgmv=KernelCost(0.1, 4.0))
+    router = make_router("rank_aware", profile=profile, kernel="mbgmv", slo_ms=20.0)
+    batch = tuple(EngineRequest(f"r{i}", "a", rank=16) for i in range(4))  # predicted 0.1*64 + 4 = 10.4 ms
+    calm = EngineState(0, running=batch, step_ms=10.4)
+    slow = EngineState(1, running=batch, step_ms=15.6)  # prefill chunks share its steps: 1.5x the model
+    new = RequestInfo("x", "b", rank=32)
+    assert router.calibration(calm) == 1.0 and math.isclose(router.calibration(slow), 1.5)
+    assert EngineState(2, step_ms=50.0).running == () and router.calibration(EngineState(2, step_ms=50.0)) == 1.0
+    assert router.calibration(EngineState(3, running=batch, step_ms=5.0)) == 1.0  # never trusted to be faster
+    # Uncalibrated both fit the SLO (13.6 ms); calibrated, the slow one would miss it (20.4 ms).
+    assert router.choose(new, [slow, calm]) == 1
+    assert math.isclose(router.predicted_ms(new, slow), 1.5 * 13.6)

@@ -34,6 +34,7 @@ from loraplex.daemon.router.state import EngineState, RequestInfo
 
 Kernel = Literal["bgmv", "mbgmv"]
 KERNELS: tuple[str, ...] = ("bgmv", "mbgmv")
+MAX_CALIBRATION = 4.0  # observed steps may run at most this many times the fitted prediction
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +117,19 @@ class RankAwareRouter(Router):
         self.penalty_ms = penalty_ms
 
     def predicted_ms(self, request: RequestInfo, engine: EngineState) -> float:
-        """Decode-step latency of `engine`'s batch with `request` added."""
-        return self.profile.step_ms(self.kernel, self._ranks_with(request, engine))
+        """Decode-step latency of `engine`'s batch with `request` added, scaled by how much slower
+        the engine's observed steps run than the LoRA cost model alone predicts (prefill chunks
+        sharing the steps, or a profile that drifted from the hardware)."""
+        return self.calibration(engine) * self.profile.step_ms(self.kernel, self._ranks_with(request, engine))
+
+    def calibration(self, engine: EngineState) -> float:
+        """observed / predicted step time of the running batch, within [1, MAX_CALIBRATION]; 1 when
+        nothing has been observed. Never below 1: an idle-looking engine is not trusted to be faster
+        than the fitted model."""
+        if engine.step_ms <= 0 or not engine.running:
+            return 1.0
+        predicted = self.profile.step_ms(self.kernel, engine.running_ranks())
+        return min(max(engine.step_ms / predicted, 1.0), MAX_CALIBRATION) if predicted > 0 else 1.0
 
     def _ranks_with(self, request: RequestInfo, engine: EngineState) -> list[int]:
         ranks = engine.batch_ranks()
@@ -126,7 +138,7 @@ class RankAwareRouter(Router):
         return ranks
 
     def cost(self, request: RequestInfo, engine: EngineState) -> float:
-        before = self.profile.step_ms(self.kernel, engine.batch_ranks())
+        before = self.calibration(engine) * self.profile.step_ms(self.kernel, engine.batch_ranks())
         after = self.predicted_ms(request, engine)
         slo = self.slo_ms if request.slo_ms is None else request.slo_ms
         violating = engine.num_requests + 1 if after > slo else 0

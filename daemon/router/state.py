@@ -53,6 +53,7 @@ class EngineState:
     tokens_per_s: float = 1000.0  # measured processing rate (prefill and decode tokens per second)
     load_bytes_per_s: float = 0.0  # host -> GPU link; 0 when unknown (adapter loads then count as free)
     healthy: bool = True
+    step_ms: float = 0.0  # recent observed step time (moving average, prefill chunks included); 0: unknown
 
     @property
     def num_requests(self) -> int:
@@ -61,6 +62,10 @@ class EngineState:
     @property
     def pending_tokens(self) -> int:
         return sum(r.remaining_tokens for r in self.running) + sum(r.remaining_tokens for r in self.waiting)
+
+    def running_ranks(self) -> list[int]:
+        """Ranks of the LoRA requests in the batch that produced `step_ms`."""
+        return [r.rank for r in self.running if r.adapter is not None and r.rank > 0]
 
     def batch_ranks(self) -> list[int]:
         """Ranks of the LoRA requests that will share its decode batch (running and queued)."""

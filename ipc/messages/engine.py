@@ -47,11 +47,16 @@ class EngineHello(Message):
 @register
 @dataclass(frozen=True, slots=True)
 class EngineLoadAdapter(Message):
-    """Read and validate a PEFT directory into the engine's host store."""
+    """Read and validate a PEFT directory into the engine's host memory, or (store_entry
+    set) take its weights from the cache manager's host store `store_segment` without
+    copying; keep_resident: same content as the copy already held, keep its GPU pages."""
 
     TYPE = "engine_load_adapter"
     name: str
     path: str
+    store_segment: str = ""
+    store_entry: StoreEntry | None = None
+    keep_resident: bool = False
 
     def validate(self) -> None:
         check_name("name", self.name)

@@ -1,0 +1,75 @@
+"""What every child process the daemon starts from gpu_engine shares: its
+command line (`--endpoint --spec --heartbeat-fd`), dying with the daemon
+(PDEATHSIG) under a process name that says its role, heartbeats, signal
+handling, and one DEALER socket on which a start failure is reported as a
+fatal `engine_failure` before exiting.
+
+Used by the engine (`loraplex-engine`) and the cache manager
+(`loraplex-cache-manager`); each brings a `start(spec)` and a `serve(...)`.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import signal
+import sys
+import traceback
+from typing import Callable, TypeVar
+
+import zmq
+
+from loraplex.gpu_engine.runtime import EngineSpec
+from loraplex.ipc.errors import ErrorCode
+from loraplex.ipc.heartbeat import HEARTBEAT_FD_FLAG, start_beating
+from loraplex.ipc.protocol import EngineFailure
+from loraplex.ipc.sockets import TypedSocket, make_dealer
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+State = TypeVar("State")
+
+
+def process_setup(role: str) -> None:
+    """Die with the daemon, and show as `role` in ps/top."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_NAME, role.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the daemon's supervisor still kills us on exit
+
+
+def run_child(role: str, what: str, argv: list[str] | None, start: Callable[[EngineSpec], State],
+              serve: Callable[[State, TypedSocket, bool], None]) -> int:
+    """Parse the command line, set the process up, `start(spec)`, then `serve(state, sock, demo)`
+    until shut down (serve closes what start opened). Exit status 2 when start fails."""
+    parser = argparse.ArgumentParser(prog=role, description=f"loraplex {what} process (started by the daemon)")
+    parser.add_argument("--endpoint", required=True, help=f"the daemon's private {what} endpoint")
+    parser.add_argument("--spec", required=True, help="EngineSpec fields as a JSON object")
+    parser.add_argument(HEARTBEAT_FD_FLAG, type=int, default=None, help="pipe to write heartbeats to (inherited)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"{role} %(levelname)s %(message)s", stream=sys.stderr)
+    log = logging.getLogger(role)
+    process_setup(role)
+    if args.heartbeat_fd is not None:
+        start_beating(args.heartbeat_fd)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which drains and then stops us
+    ctx = zmq.Context()
+    sock = make_dealer(ctx, args.endpoint)
+    try:
+        try:
+            spec = EngineSpec(**json.loads(args.spec))
+            state = start(spec)
+        except Exception as exc:  # report why we cannot start, then exit: restarting will not help
+            log.error("%s failed to start: %s", what, traceback.format_exc())
+            sock.send(EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"{what} failed to start: {exc}",
+                                    fatal=True))
+            return 2
+        serve(state, sock, spec.model is None)
+        return 0
+    finally:
+        sock.close()
+        ctx.term()

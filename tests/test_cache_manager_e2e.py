@@ -1,0 +1,115 @@
+"""The cache manager as a real process (`loraplex-cache-manager`) with a host
+store smaller than all registered adapters: requests cycling through every
+adapter come back exactly as the offline API computes them while the host tier
+evicts and reloads from disk, and a SIGKILLed cache manager is restarted
+without losing requests or leaking shared memory."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex.gpu_engine import LLM, SamplingParams
+from loraplex.ipc.client import AsyncClient
+from loraplex.ipc.shm import SEGMENT_PREFIX, SHM_DIR
+from tests.daemon_process import DaemonProcess
+
+MAX_TOKENS = 4
+# The demo adapters take ~6.4 MB in the store (float32); 3.5 MB holds the largest
+# (mlp-r64, 2.9 MB) but never it and all-r32 (2.4 MB) together.
+HOST_STORE_BYTES = 3_500_000
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (int(k),), generator=g).tolist() for k in torch.randint(4, 30, (n,), generator=g)]
+
+
+@pytest.fixture(scope="module")
+def names(demo) -> list[str]:
+    return sorted(demo.adapters)
+
+
+@pytest.fixture(scope="module")
+def reference(demo, names):
+    """(prompts, adapters, greedy tokens): one request per adapter, offline."""
+    adapters = list(names)
+    prompts = _prompts(len(adapters), seed=7)
+    llm = LLM(demo.model_dir, num_pages=600)
+    for name in names:
+        llm.add_adapter(name, demo.adapters[name])
+    outs = llm.generate(prompts, adapters=adapters,
+                        sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    return prompts, adapters, [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def daemon(demo, tmp_path_factory):
+    flags = [f"--adapter={name}={path}" for name, path in demo.adapters.items()]
+    proc = DaemonProcess(tmp_path_factory.mktemp("cachemgr"), "--model", str(demo.model_dir), *flags,
+                         "--host-store-bytes", str(HOST_STORE_BYTES), "--max-num-seqs", "4").start()
+    yield proc
+    assert proc.stop() == 0, proc.log()
+    left = [p for p in Path(SHM_DIR).glob(f"{SEGMENT_PREFIX.lstrip('/')}{proc.instance}-*")]
+    assert not left, f"shared-memory segments left behind: {left}"
+
+
+def _stats(proc) -> dict:
+    with proc.client() as c:
+        return c.stats()
+
+
+async def _generate(proc, prompts, adapters, *, concurrent: bool) -> list[list[int]]:
+    async with AsyncClient(runtime_dir=proc.runtime_dir) as client:
+        def one(p, a):
+            return client.generate(p, adapter=a, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, timeout=120)
+
+        if concurrent:
+            outs = await asyncio.gather(*[one(p, a) for p, a in zip(prompts, adapters, strict=True)])
+        else:
+            outs = [await one(p, a) for p, a in zip(prompts, adapters, strict=True)]
+    return [o.token_ids for o in outs]
+
+
+def test_the_cache_manager_names_its_role(daemon):
+    pid = _stats(daemon)["host_tier"]["pid"]
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert b"loraplex.gpu_engine.cache_manager_process" in cmdline
+    assert Path(f"/proc/{pid}/comm").read_text().strip() == "loraplex-cache-manager"[:15]
+    assert os.getppid() != pid and int(Path(f"/proc/{pid}/stat").read_text().split()[3]) == daemon.proc.pid
+
+
+def test_cycling_through_every_adapter_evicts_and_stays_exact(daemon, reference):
+    prompts, adapters, expected = reference
+    before = _stats(daemon)["host_tier"]
+    assert before["capacity_bytes"] <= HOST_STORE_BYTES
+    assert asyncio.run(_generate(daemon, prompts, adapters, concurrent=False)) == expected
+    assert asyncio.run(_generate(daemon, prompts, adapters, concurrent=True)) == expected
+    tier = _stats(daemon)["host_tier"]
+    assert tier["evictions"] > before["evictions"], tier
+    assert tier["hits"]["disk"] > 0 and tier["loads"] > before["loads"], tier
+    assert tier["used_bytes"] <= tier["capacity_bytes"], tier
+
+
+def test_a_killed_cache_manager_is_restarted_and_requests_complete(daemon, reference):
+    prompts, adapters, expected = reference
+    tier = _stats(daemon)["host_tier"]
+
+    async def run() -> list[list[int]]:
+        task = asyncio.ensure_future(_generate(daemon, prompts, adapters, concurrent=True))
+        await asyncio.sleep(0.3)
+        os.kill(tier["pid"], signal.SIGKILL)
+        return await task
+
+    assert asyncio.run(run()) == expected
+    deadline = time.monotonic() + 30
+    while (now := _stats(daemon)["host_tier"])["pid"] == tier["pid"] or not now["alive"]:
+        assert time.monotonic() < deadline, now
+        time.sleep(0.2)
+    assert now["restarts"] == tier["restarts"] + 1 and now["starts"] == tier["starts"] + 1, now
+    assert asyncio.run(_generate(daemon, prompts, adapters, concurrent=False)) == expected
