@@ -12,7 +12,7 @@ from loraplex.cli import main as cli_main
 from loraplex.daemon.sim.planner import TABLE_KEYS, PlanSpec, plan
 from loraplex.daemon.sim.profile import SimProfile
 from loraplex.daemon.sim.simulator import SimConfig
-from loraplex.daemon.sim.workload import RequestEvent, WorkloadSpec, generate
+from loraplex.daemon.sim.workload import RequestEvent, WorkloadSpec, generate, trace_path
 
 # One request per engine at a time, every step 10 ms: a 4-token prompt and 3 output tokens take
 # three steps (first token at 10 ms, done at 30 ms, TPT 10 ms). With N engines and 4 requests
@@ -122,6 +122,7 @@ def test_slo_tpt_is_required(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--slo-tpt-ms" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not trace_path("conv").is_file(), reason="shared/traces not present")
 def test_trace_alone_replays_its_arrivals_and_lengths(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--trace", "conv", "--duration", "30", "--time-scale", "2", "--slo-tpt-ms", "80",
             "--mode", "cached", "--max-engines", "4", "--json"]

@@ -27,15 +27,19 @@ class Clustering:
         return tuple((c[i] + c[i + 1]) / 2 for i in range(len(c) - 1))
 
 
-def kmeans_1d(values: list[float], k: int, *, iterations: int = 64) -> tuple[tuple[float, ...], float]:
-    """Lloyd's algorithm on sorted values from quantile seeds; (centroids ascending, WCSS).
-    Empty clusters are dropped, so fewer than k centroids may come back."""
+def kmeans_1d(values: list[float], k: int, *, iterations: int = 64,
+              seeds: tuple[float, ...] | None = None) -> tuple[tuple[float, ...], float]:
+    """Lloyd's algorithm on sorted values from quantile seeds (or `seeds`); (centroids ascending,
+    WCSS). Empty clusters are dropped, so fewer than k centroids may come back."""
     if not values:
         raise ValueError("kmeans_1d needs at least one value")
     xs = sorted(values)
     n = len(xs)
     k = max(1, min(k, len(set(xs))))
-    centroids = sorted({xs[min(n - 1, int((i + 0.5) * n / k))] for i in range(k)})
+    if seeds is not None:
+        centroids = sorted(set(seeds))
+    else:
+        centroids = sorted({xs[min(n - 1, int((i + 0.5) * n / k))] for i in range(k)})
     # Prefix sums make each cluster's mean and SSE O(1) once its index range is known.
     pre = [0.0]
     pre2 = [0.0]
@@ -75,6 +79,8 @@ def choose_clusters(values: list[float], k_max: int, *, min_gain: float = 0.5, m
         return Clustering(best, tuple(curve))
     for k in range(2, k_max + 1):
         centroids, wcss = kmeans_1d(values, k)
+        if wcss > curve[-1]:  # quantile seeds found a worse local optimum: split the K-1 solution instead
+            centroids, wcss = min((centroids, wcss), _grown(values, best), key=lambda fit: fit[1])
         gain = curve[-1] - wcss
         close = any(hi < min_ratio * lo for lo, hi in zip(centroids, centroids[1:]))
         if len(centroids) < k:
@@ -85,3 +91,10 @@ def choose_clusters(values: list[float], k_max: int, *, min_gain: float = 0.5, m
         curve.append(wcss)
         best = centroids
     return Clustering(best, tuple(curve))
+
+
+def _grown(values: list[float], centroids: tuple[float, ...]) -> tuple[tuple[float, ...], float]:
+    """K-means seeded with `centroids` plus the value farthest from its centroid: Lloyd's
+    steps never raise WCSS, so the result is at most the previous solution's WCSS."""
+    farthest = max(values, key=lambda x: min(abs(x - c) for c in centroids))
+    return kmeans_1d(values, len(centroids) + 1, seeds=(*centroids, farthest))
