@@ -144,6 +144,8 @@ class _AsyncTransport:
         try:
             await self._open().send(msg)
         except (PeerUnavailable, ProtocolError) as exc:
+            if self._link.refused is not None:  # the handshake failed while the send waited: say why
+                raise LoraplexError(ErrorCode.UNAVAILABLE, self._link.refused, getattr(msg, "request_id", None)) from None
             raise send_failed(self.endpoint, exc, getattr(msg, "request_id", None)) from None
 
     async def send_quietly(self, msg: Message) -> None:

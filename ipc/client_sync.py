@@ -204,6 +204,7 @@ class _Transport:
             self._sock.send(msg)
         except (PeerUnavailable, ProtocolError) as exc:
             request_id = getattr(msg, "request_id", None) or ""
+            self._drain_monitor()  # a handshake refused while the send waited fails it with the reason
             self._table.fail(request_id, send_failed(self.endpoint, exc, request_id))
 
     def _drain_socket(self) -> None:
