@@ -92,6 +92,7 @@ class _Transport:
         ctx = context if context is not None else zmq.Context.instance()
         self._sock = make_dealer(ctx, endpoint, limits=limits, curve=curve, monitor_events=_MONITOR_EVENTS)
         self._monitor = self._sock.monitor
+        self._send_wait_s = limits.send_timeout_ms / 1e3
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -195,7 +196,17 @@ class _Transport:
                 return
             self._send(msg)
 
+    def _await_handshake(self) -> None:
+        """tcp: until the first handshake, watch the monitor instead of blocking in send, so a
+        refused handshake (CURVE) fails the request at once rather than after SNDTIMEO."""
+        deadline = time.monotonic() + self._send_wait_s
+        while not self._link.handshaken and self._link.refused is None and time.monotonic() < deadline:
+            if self._monitor.poll(50):
+                self._drain_monitor()
+
     def _send(self, msg: Message) -> None:
+        if self.endpoint.startswith("tcp://") and not self._link.handshaken:
+            self._await_handshake()
         if self._link.refused is not None:  # no connection to send on: it would only wait for SNDTIMEO
             request_id = getattr(msg, "request_id", None) or ""
             self._table.fail(request_id, LoraplexError(ErrorCode.UNAVAILABLE, self._link.refused, request_id))

@@ -93,6 +93,7 @@ class ConnectionState:
         self.endpoint = endpoint
         self.curve = curve
         self.connected = False
+        self.handshaken = False  # a handshake with the daemon succeeded at least once
         self.refused: str | None = None  # why the daemon refused our handshake (the connection is gone)
 
     def update(self, event: int, value: int) -> Literal["refused", "lost"] | None:
@@ -102,6 +103,7 @@ class ConnectionState:
             self.connected = True
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.refused = None
+            self.handshaken = True
         elif event & HANDSHAKE_FAILED_EVENTS:
             self.connected = False
             self.refused = handshake_refusal(self.endpoint, event, value, self.curve)
