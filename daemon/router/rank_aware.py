@@ -31,6 +31,7 @@ from typing import Sequence as Seq
 
 from loraplex.daemon.router.base import Router, healthy
 from loraplex.daemon.router.state import EngineState, RequestInfo
+from loraplex.daemon.json_file import read_json_file
 
 Kernel = Literal["bgmv", "mbgmv"]
 KERNELS: tuple[str, ...] = ("bgmv", "mbgmv")
@@ -92,11 +93,7 @@ class PerfProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> PerfProfile:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON: {exc}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(read_json_file(path))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")

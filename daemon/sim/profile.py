@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from loraplex.daemon.router.rank_aware import KernelCost, PerfProfile
+from loraplex.daemon.json_file import read_json_file
 
 MIB = 1 << 20
 
@@ -100,8 +100,4 @@ class SimProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> SimProfile:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON: {exc}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(read_json_file(path))
