@@ -12,8 +12,11 @@ Measures (Toppings §5, issue 5):
 device (nothing is read from disk); `--shape tiny` runs anywhere in seconds and
 only checks the script. With the Triton backend the BGMV samples are taken with
 the BGMV kernel forced and the MBGMV samples with MBGMV; with the torch backend
-both models are fitted to the same samples. Prints a table, or one JSON object
-with `--json`; progress goes to stderr.
+both models are fitted to the same samples. `--cuda-graphs on` replays decode
+steps as CUDA graphs (CUDA with the Triton backend; elsewhere it stays eager), so
+`on` and `off` runs time the same steps side by side; graphs always replay the
+MBGMV kernel, so under `on` the BGMV samples are MBGMV replays too. Prints a
+table, or one JSON object with `--json`; progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -63,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fit-distinct", type=int, default=8, help="distinct adapters per rank in the fitted steps")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=5, help="timed decode steps per configuration")
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default="off",
+                   help="replay decode steps as CUDA graphs (CUDA + triton backend only; eager elsewhere)")
     p.add_argument("--profile-out", type=Path, default=None, help="write the fitted PerfProfile JSON here")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -135,6 +140,9 @@ class Engine:
         self.executor = Executor(self.cfg, weights, self.geometry, self.num_pages, device=self.device,
                                  dtype=self.dtype, lora_backend=args.backend)
         self.executor.host.update(host)
+        self.graphs = self.executor.setup_decode_graphs(
+            max_batch=max(args.batches), max_model_len=args.context + args.steps + 8,
+            max_lora_rank=max([*args.ranks, args.overhead_rank]), enabled=args.cuda_graphs == "on")
         self._steps = 0
 
     def _adapter(self, name: str, rank: int) -> HostAdapter:
@@ -181,8 +189,10 @@ class Engine:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     log(f"building a {args.shape} model on {args.device} ({args.dtype}, {args.backend} LoRA backend)")
     engine = Engine(args)
+    if args.cuda_graphs == "on":
+        log(f"decode graphs: {engine.graphs.buckets if engine.graphs.enabled else engine.graphs.reason}")
     report: dict[str, Any] = {"shape": args.shape, "device": args.device, "dtype": args.dtype,
-                              "backend": args.backend, "context": args.context,
+                              "backend": args.backend, "context": args.context, **engine.graphs.as_dict(),
                               "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
                               "cpu": platform.processor() or platform.machine()}
     batch = max(args.batches)
@@ -235,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     o = report["overhead"]
-    print(f"{report['shape']} on {report['gpu'] or report['cpu']} ({report['dtype']}, {report['backend']})")
+    graphs = f"CUDA graphs {report['graph_buckets']}" if report["cuda_graphs"] else "eager"
+    print(f"{report['shape']} on {report['gpu'] or report['cpu']} ({report['dtype']}, {report['backend']}, {graphs})")
     print(f"decode step, batch {o['batch']}: base {o['base_step_ms']:.2f} ms, {o['distinct_adapters']} adapters "
           f"{o['lora_step_ms']:.2f} ms (+{o['overhead_pct']:.1f}%)")
     for kernel, fit in report["fits"].items():

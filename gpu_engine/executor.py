@@ -1,7 +1,8 @@
 """The model executor: holds weights, the unified pool and the host adapter
 store, and carries out StepPlans (place/evict adapters, run one forward,
 sample). It makes no policy decision: which rows run and which pages they
-use come from the plan.
+use come from the plan. Decode steps that fit a captured bucket replay a CUDA
+graph (gpu_engine.decode_graphs); every other step runs the forward eagerly.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
 from loraplex.gpu_engine.lora.backend import make_lora_backend
 from loraplex.gpu_engine.lora.merge import MergeController
 from loraplex.gpu_engine.adapter_loader import AdapterLoader, GroupLoad
+from loraplex.gpu_engine.decode_graphs import DecodeGraphInfo, DecodeGraphRunner, graph_blocker
 from loraplex.gpu_engine.lora.torch_backend import LoraGroup, ResidentLora, resident_lora
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.batch import ForwardBatch, RowSpan
@@ -38,7 +40,10 @@ class Executor:
         self.cfg = cfg
         self.device = device
         self.geometry = geometry
-        self.pool = UnifiedPool(cfg.num_layers, num_pages, geometry, device=device, dtype=dtype)
+        # One page past those the allocator hands out: padding rows of decode-graph buckets write
+        # their K/V there, so no sequence's page is ever touched by them.
+        self.pool = UnifiedPool(cfg.num_layers, num_pages + 1, geometry, device=device, dtype=dtype)
+        self.scratch_page = num_pages
         lora = make_lora_backend(lora_backend)
         attention = None
         if lora_backend == "triton":  # the Triton build runs paged attention through its kernels too
@@ -52,6 +57,25 @@ class Executor:
         self.loader = AdapterLoader(self.pool, throttle_bytes_per_s=load_throttle_bytes_s)
         self.loads: dict[str, GroupLoad] = {}  # adapters whose layer groups may still be arriving
         self.cpu_assist = None  # CpuAssistEngine when CPU workers are attached (engine process)
+        self.graphs: DecodeGraphRunner | None = None
+        self.graph_info = DecodeGraphInfo(enabled=False, buckets=(), reason="not set up")
+        self.bucket_steps = 0  # decode steps run through the bucket runner (replayed or padded eager)
+
+    def setup_decode_graphs(self, *, max_batch: int, max_model_len: int, max_lora_rank: int, enabled: bool = True,
+                            pad_eager: bool = False) -> DecodeGraphInfo:
+        """Capture decode steps of up to max_batch rows where this engine can (CUDA, Triton backend,
+        enabled). pad_eager: route decode steps through the padded buckets even without graphs
+        (the same buffers, run eagerly; for tests on CPU)."""
+        reason = graph_blocker(self.model, self.device, enabled)
+        self.graphs = None
+        if not reason or pad_eager:
+            self.graphs = DecodeGraphRunner(self.model, self.pool, max_batch=max_batch, max_model_len=max_model_len,
+                                            max_lora_rank=max_lora_rank, scratch_page=self.scratch_page)
+            if not reason:
+                self.graphs.capture()
+        self.graph_info = DecodeGraphInfo(enabled=not reason, buckets=self.graphs.captured if self.graphs else (),
+                                          reason=reason)
+        return self.graph_info
 
     # ---- host store -------------------------------------------------------------------------
     def add_host_adapter(self, adapter: HostAdapter) -> AdapterLayout:
@@ -103,12 +127,22 @@ class Executor:
         t0 = time.perf_counter()
         # Rows sorted by adapter make each adapter one contiguous token segment (SGMV-style).
         ordered = sorted(rows, key=lambda r: (r.adapter is not None, r.adapter or ""))
-        batch = self._build_batch(ordered, plan)
-        logits = self.model.forward(batch, self.pool)
-        # On CUDA the forward is only enqueued: the watchdog must follow the CPU sites before anything syncs.
-        watchdog = batch.cpu.start_watchdog() if batch.cpu is not None else None
-        t1 = time.perf_counter()
         sampled_rows = [r for r in ordered if r.sample]
+        loras = self._graph_loras(ordered, plan)
+        batch = None
+        if loras is not None:
+            logits = self.graphs.run(ordered, loras)  # [rows, vocab]: one token per row
+            self.bucket_steps += 1
+            if len(sampled_rows) != len(ordered):
+                keep = [i for i, r in enumerate(ordered) if r.sample]
+                logits = logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
+        else:
+            batch = self._build_batch(ordered, plan)
+            logits = self.model.forward(batch, self.pool)
+        cpu = batch.cpu if batch is not None else None
+        # On CUDA the forward is only enqueued: the watchdog must follow the CPU sites before anything syncs.
+        watchdog = cpu.start_watchdog() if cpu is not None else None
+        t1 = time.perf_counter()
         tokens, logprobs = sample(logits, [r.sampling for r in sampled_rows], [r.sample_index for r in sampled_rows])
         rows = [
             RowResult(request_id=r.request_id, token_id=t, logprob=lp if r.sampling.logprobs else None)
@@ -120,12 +154,30 @@ class Executor:
         for name in [n for n, load in self.loads.items() if load.done()]:
             del self.loads[name]
         transfers = {"adapter_h2d": self.loader.started_bytes - loaded_before}
-        if batch.cpu is not None:
-            transfers["assist_d2h"] = batch.cpu.d2h_bytes
-            transfers["assist_h2d"] = batch.cpu.h2d_bytes
+        if cpu is not None:
+            transfers["assist_d2h"] = cpu.d2h_bytes
+            transfers["assist_h2d"] = cpu.h2d_bytes
         return StepResult(step_id=plan.step_id, rows=rows, forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3,
-                          cpu_timeouts=batch.cpu.timeouts if batch.cpu is not None else 0,
-                          load_wait_ms=batch.load_wait_ms, transfer_bytes=transfers)
+                          cpu_timeouts=cpu.timeouts if cpu is not None else 0,
+                          load_wait_ms=batch.load_wait_ms if batch is not None else 0.0, transfer_bytes=transfers)
+
+    def _graph_loras(self, rows: list[RowPlan], plan: StepPlan) -> list[ResidentLora | None] | None:
+        """Each row's placed adapter when the step can run through the decode buckets, else None:
+        decode rows only, no CPU-run layers, and no adapter whose layer groups are still arriving
+        (those steps overlap compute with the copies, layer by layer, which a replay cannot)."""
+        if self.graphs is None or (plan.cpu is not None and any(r.cpu_layers for r in rows)):
+            return None
+        loras: list[ResidentLora | None] = []
+        for row in rows:
+            if row.adapter is None:
+                loras.append(None)
+                continue
+            lora = self.resident.get(row.adapter)
+            load = self.loads.get(row.adapter)
+            if lora is None or (load is not None and not load.done()):
+                return None  # unplaced adapters take the eager path, which explains the error
+            loras.append(lora)
+        return loras if self.graphs.accepts(rows, loras) else None
 
     def _build_batch(self, rows: list[RowPlan], plan: StepPlan) -> ForwardBatch:
         token_ids: list[int] = []

@@ -43,13 +43,13 @@ class LLM:
                  pool_bytes: int | None = None, page_tokens: int | None = None, max_num_seqs: int = 64,
                  max_batched_tokens: int = 2048, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.9, load_groups: int = 1,
-                 load_throttle_bytes_s: float | None = None) -> None:
+                 load_throttle_bytes_s: float | None = None, cuda_graphs: bool = True) -> None:
         runtime = build_runtime(EngineSpec(
             model=None if model is None else str(model), device=device, dtype=dtype, max_lora_rank=max_lora_rank,
             lora_backend=lora_backend, num_pages=num_pages, pool_bytes=pool_bytes, page_tokens=page_tokens,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-            load_throttle_bytes_s=load_throttle_bytes_s,
-        ))
+            load_throttle_bytes_s=load_throttle_bytes_s, cuda_graphs=cuda_graphs,
+        ), max_num_seqs=max_num_seqs)
         self.model_dir = runtime.model_dir
         self.device = runtime.executor.device
         self.dtype = runtime.executor.pool.data.dtype

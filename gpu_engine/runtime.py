@@ -21,6 +21,7 @@ from loraplex.gpu_engine.pool import UnifiedPool
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_POOL_BYTES = 512 << 20
+DEFAULT_GRAPH_BATCH = 64  # largest captured decode batch when the caller does not say (LLM's max_num_seqs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,7 @@ class EngineSpec:
     shm_instance: str | None = None  # names the shared-memory segments (set by the daemon)
     host_store_segment: str = ""  # set by the daemon: the cache manager's store; the engine only attaches it
     replica: int = 0  # which of the daemon's engines this is: `cuda` means GPU (replica mod GPU count)
+    cuda_graphs: bool = True  # capture decode steps as CUDA graphs (effective on CUDA with lora_backend=triton)
 
     def resolved(self) -> EngineSpec:
         """Replace the `auto` values by what this machine supports; validate the rest."""
@@ -92,7 +94,7 @@ class EngineRuntime:
         return Path(self.spec.model or "")
 
 
-def build_runtime(spec: EngineSpec) -> EngineRuntime:
+def build_runtime(spec: EngineSpec, *, max_num_seqs: int = DEFAULT_GRAPH_BATCH) -> EngineRuntime:
     spec = spec.resolved()
     model_dir = Path(spec.model or "")
     device, dtype = torch.device(spec.device), DTYPES[spec.dtype]
@@ -108,10 +110,13 @@ def build_runtime(spec: EngineSpec) -> EngineRuntime:
                 pool_bytes = int(free * spec.gpu_memory_utilization)
             else:
                 pool_bytes = DEFAULT_CPU_POOL_BYTES
-        num_pages = UnifiedPool.pages_for_bytes(config.num_layers, geometry, dtype, pool_bytes)
+        # less the executor's scratch page, so the pool stays within the byte budget
+        num_pages = max(1, UnifiedPool.pages_for_bytes(config.num_layers, geometry, dtype, pool_bytes) - 1)
     executor = Executor(config, weights, geometry, num_pages, device=device, dtype=dtype,
                         lora_backend=spec.lora_backend, load_throttle_bytes_s=spec.load_throttle_bytes_s)
     limit = min(config.max_position_embeddings, num_pages * geometry.page_tokens)
     max_model_len = min(spec.max_model_len, limit) if spec.max_model_len else limit
+    executor.setup_decode_graphs(max_batch=max_num_seqs, max_model_len=max_model_len,
+                                 max_lora_rank=spec.max_lora_rank, enabled=spec.cuda_graphs)
     return EngineRuntime(spec=spec, config=config, geometry=geometry, executor=executor, num_pages=num_pages,
                          max_model_len=max_model_len)

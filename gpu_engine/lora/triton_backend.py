@@ -6,6 +6,9 @@ Per step (one `groups` list, reused by every layer and module) it builds the
 metadata once: token/segment slot tables and one row-offset table over all
 target modules, from host copies of each adapter's offsets cached per
 ResidentLora. It never copies A/B out of the pool.
+
+A decode-graph runner may `pin` a static step (capacity-sized tables it refills
+in place before each replay): the launches then read only fixed buffers.
 """
 from __future__ import annotations
 
@@ -56,6 +59,70 @@ class TritonLoraBackend:
         self._offsets: OrderedDict[int, tuple[ResidentLora, HostOffsets]] = OrderedDict()
         self._cache_size = cache_size
         self._step: _Step | None = None
+        self._pinned: _Step | None = None
+
+    # ---- static steps (CUDA-graph replay) ---------------------------------------------------
+    @staticmethod
+    def static_step(tokens: int, num_slots: int, width: int, modules: Sequence[str], device: torch.device, *,
+                    share: _Step | None = None) -> _Step:
+        """Tables sized from capacity (slots, max rank, every module): MBGMV, whose grid and tiles
+        depend on none of the batch's ranks, so one capture serves every adapter mix. `share`: a
+        larger static step whose tables and slot buffer (its first `tokens` entries) this one reuses."""
+        if share is not None:
+            if tokens > share.token_slot.shape[0]:
+                raise ValueError(f"a {tokens}-token step cannot share a {share.token_slot.shape[0]}-token one")
+            return _Step(groups=[], key=("static", tokens), kernel="mbgmv", modules=share.modules,
+                         tables=share.tables, token_slot=share.token_slot[:tokens], seg_start=share.seg_start,
+                         seg_len=share.seg_len, seg_slot=share.seg_slot, max_seg_len=1)
+        names = [m for m in MODULE_ORDER if m in modules] + sorted(set(modules) - set(MODULE_ORDER))
+        shape = (len(names), num_slots, width)
+        tables = LoraTables(torch.zeros(shape, dtype=torch.int64, device=device),
+                            torch.zeros(shape, dtype=torch.int64, device=device),
+                            torch.zeros(shape[:2], dtype=torch.int32, device=device),
+                            torch.zeros(num_slots, dtype=torch.float32, device=device), width)
+        none = torch.zeros(0, dtype=torch.int32, device=device)
+        return _Step(groups=[], key=("static", tokens), kernel="mbgmv", modules={m: i for i, m in enumerate(names)},
+                     tables=tables, token_slot=torch.full((tokens,), -1, dtype=torch.int32, device=device),
+                     seg_start=none, seg_len=none, seg_slot=none, max_seg_len=1)
+
+    def fill_static(self, step: _Step, groups: list[LoraGroup]) -> None:
+        """Write this batch's adapters into a static step's buffers in place (host-built, one copy each).
+
+        Slots and rank columns past this batch's are left stale: no token points at them and the
+        ranks mask the columns."""
+        tables, token_slot = step.tables, step.token_slot
+        tokens = token_slot.shape[0]
+        loras, group_slots = _number_adapters(groups, tokens, "the bucket's")
+        host_slot = torch.full((tokens,), -1, dtype=torch.int32)
+        for g, slot in zip(groups, group_slots):
+            host_slot[g.start: g.end] = slot
+        token_slot.copy_(host_slot)
+        if not loras:
+            return
+        n, names = len(loras), list(step.modules)
+        if n > tables.num_slots or max(lora.rank for lora in loras) > tables.width:
+            raise ValueError(f"{n} adapters of rank <= {max(lora.rank for lora in loras)} exceed the static "
+                             f"tables ({tables.num_slots} slots, width {tables.width})")
+        width = max(lora.rank for lora in loras)
+        a = torch.zeros(len(names), n, width, dtype=torch.int64)
+        b = torch.zeros(len(names), n, width, dtype=torch.int64)
+        ranks = torch.zeros(len(names), n, dtype=torch.int32)
+        for s, lora in enumerate(loras):
+            for module, (a_rows, b_rows) in self._host_offsets(lora).items():
+                m = step.modules.get(module)
+                if m is None:
+                    raise ValueError(f"adapter {lora.name!r} targets {module!r}, which the static tables lack")
+                ranks[m, s] = len(a_rows)
+                a[m, s, : len(a_rows)] = torch.as_tensor(a_rows, dtype=torch.int64)
+                b[m, s, : len(b_rows)] = torch.as_tensor(b_rows, dtype=torch.int64)
+        tables.a_off[:, :n, :width].copy_(a)
+        tables.b_off[:, :n, :width].copy_(b)
+        tables.ranks[:, :n].copy_(ranks)
+        tables.scaling[:n].copy_(torch.tensor([lora.scaling for lora in loras], dtype=torch.float32))
+
+    def pin(self, step: _Step | None) -> None:
+        """Serve every launch from `step` (None: back to per-step metadata)."""
+        self._pinned = step
 
     # ---- LoraBackend contract ---------------------------------------------------------------
     def apply(self, out: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, module: str,
@@ -105,6 +172,10 @@ class TritonLoraBackend:
 
     # ---- per-step metadata --------------------------------------------------------------------
     def _step_for(self, groups: list[LoraGroup], x: torch.Tensor) -> _Step:
+        if self._pinned is not None:
+            if self._pinned.token_slot.shape[0] != x.shape[0]:
+                raise ValueError(f"pinned step holds {self._pinned.token_slot.shape[0]} tokens, x has {x.shape[0]}")
+            return self._pinned
         step = self._step
         tokens = x.shape[0]
         # ids are stable: the cached step holds its groups, hence its ResidentLoras
@@ -115,16 +186,10 @@ class TritonLoraBackend:
         return self._step
 
     def _build(self, groups: list[LoraGroup], key: tuple[object, ...], tokens: int, device: torch.device) -> _Step:
-        slots: dict[int, int] = {}
-        loras: list[ResidentLora] = []
+        loras, group_slots = _number_adapters(groups, tokens, "the step's")
         token_slot = [-1] * tokens
         seg: list[list[int]] = [[], [], []]  # start, length, slot per segment
-        for g in groups:
-            if not 0 <= g.start <= g.end <= tokens:
-                raise ValueError(f"segment [{g.start}, {g.end}) outside the step's {tokens} tokens")
-            slot = slots.setdefault(id(g.lora), len(loras))
-            if slot == len(loras):
-                loras.append(g.lora)
+        for g, slot in zip(groups, group_slots):
             token_slot[g.start: g.end] = [slot] * (g.end - g.start)
             for column, value in zip(seg, (g.start, g.end - g.start, slot)):
                 column.append(value)
@@ -159,3 +224,19 @@ class TritonLoraBackend:
         while len(self._offsets) > self._cache_size:
             self._offsets.popitem(last=False)
         return host
+
+
+def _number_adapters(groups: list[LoraGroup], tokens: int, where: str) -> tuple[list[ResidentLora], list[int]]:
+    """The distinct adapters of `groups` in first-use order, and each group's slot among them;
+    refuses a segment outside the `tokens` rows."""
+    slots: dict[int, int] = {}
+    loras: list[ResidentLora] = []
+    group_slots: list[int] = []
+    for g in groups:
+        if not 0 <= g.start <= g.end <= tokens:
+            raise ValueError(f"segment [{g.start}, {g.end}) outside {where} {tokens} tokens")
+        slot = slots.setdefault(id(g.lora), len(loras))
+        if slot == len(loras):
+            loras.append(g.lora)
+        group_slots.append(slot)
+    return loras, group_slots

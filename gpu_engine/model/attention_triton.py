@@ -3,7 +3,8 @@
 kernel, longer rows (prefill chunks) to the causal prefill kernel; both read
 K/V straight from the unified pool through each row's page table.
 
-Row metadata is built once per step (the same ForwardBatch serves every layer).
+Row metadata is built once per step (the same ForwardBatch serves every layer),
+or comes prebuilt in static buffers (`ForwardBatch.decode_rows`) under CUDA-graph replay.
 """
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ class TritonPagedAttention:
 
     def _rows(self, batch: ForwardBatch, device: torch.device) -> _StepRows:
         if self._step is not None and self._step.batch is batch:
+            return self._step
+        if batch.decode_rows is not None:  # static: no host work, nothing read back from the device
+            self._step = _StepRows(batch, None, batch.decode_rows)
             return self._step
         prefill = [r for r in batch.rows if r.count > 1]
         decode = [r for r in batch.rows if r.count == 1]

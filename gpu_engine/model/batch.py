@@ -33,3 +33,6 @@ class ForwardBatch:
     lora_groups: list[LoraGroup]
     cpu: object | None = None  # CpuAssistStepRun when some rows' LoRA runs on the CPU workers
     load_wait_ms: float = 0.0
+    # PagedRows in a decode-graph runner's static buffers, sized from capacity: the Triton attention
+    # reads them instead of building row metadata from `rows` (which may then be empty).
+    decode_rows: object | None = None
