@@ -14,7 +14,7 @@ from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.memory.geometry import PageGeometry
-from loraplex.daemon.router.snapshot import engine_state, step_ema
+from loraplex.daemon.router.snapshot import StepTimes, engine_state
 from loraplex.daemon.router.state import EngineState
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.factory import make_scheduler
@@ -45,7 +45,7 @@ class EngineSlot:
         self.tokens = 0  # tokens computed (prefill + decode), for the router's rate
         self.busy_s = 0.0
         self.steps = 0
-        self.step_ms = 0.0  # moving average of step times (rank_aware's calibration)
+        self.step_times = StepTimes()  # what rank_aware reads of its steps
 
     # ---- state ------------------------------------------------------------------------------
     @property
@@ -80,7 +80,7 @@ class EngineSlot:
         link = 0.0 if self.load_mode == "cached" else hello.link_bytes_per_s
         return engine_state(self.index, self.scheduler, rank_of=rank_of, bytes_of=bytes_of, max_num_seqs=max_seqs,
                             total_pages=hello.num_pages, tokens_per_s=self.tokens_per_s, load_bytes_per_s=link,
-                            healthy=self.healthy, step_ms=self.step_ms)
+                            healthy=self.healthy, steps=self.step_times)
 
     # ---- requests ---------------------------------------------------------------------------
     def enqueue(self, seq: SeqRequest) -> None:
@@ -117,11 +117,12 @@ class EngineSlot:
         pending, self.pending, self.carried = self.pending, [], []
         return seqs, pending
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
+    def observe_step(self, tokens: int, seconds: float, lora_ranks: list[int] | None = None) -> None:
+        """A step computed `tokens` in `seconds`; its rows ran LoRA at `lora_ranks`."""
         self.tokens += tokens
         self.busy_s += seconds
         self.steps += 1
-        self.step_ms = step_ema(self.step_ms, seconds * 1e3)
+        self.step_times.observe(seconds * 1e3, lora_ranks or ())
 
     # ---- engine bring-up ----------------------------------------------------------------------
     async def bring_up(self, adapters: AdapterTable, policy: str, cache_policy: str,

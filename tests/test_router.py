@@ -177,16 +177,102 @@ def test_dlora_rebalance_is_sound(engines, imbalance) -> None:
         assert after[moves[0].source] < pending_s(engines[moves[0].source])
 
 
-def test_rank_aware_calibrates_with_observed_step_times() -> None:
+def test_rank_aware_adds_the_step_time_its_model_does_not_explain() -> None:
     profile = PerfProfile(mbgmv=KernelCost(0.1, 4.0))
     router = make_router("rank_aware", profile=profile, kernel="mbgmv", slo_ms=20.0)
     batch = tuple(EngineRequest(f"r{i}", "a", rank=16) for i in range(4))  # predicted 0.1*64 + 4 = 10.4 ms
-    calm = EngineState(0, running=batch, step_ms=10.4)
-    slow = EngineState(1, running=batch, step_ms=15.6)  # prefill chunks share its steps: 1.5x the model
+    # Both engines' recent steps averaged 64 rank units; on `slow` they took 5.2 ms longer than
+    # the model says (prefill chunks sharing its steps).
+    calm = EngineState(0, running=batch, step_ms=10.4, step_mbgmv_units=64.0)
+    slow = EngineState(1, running=batch, step_ms=15.6, step_mbgmv_units=64.0)
     new = RequestInfo("x", "b", rank=32)
-    assert router.calibration(calm) == 1.0 and math.isclose(router.calibration(slow), 1.5)
-    assert EngineState(2, step_ms=50.0).running == () and router.calibration(EngineState(2, step_ms=50.0)) == 1.0
-    assert router.calibration(EngineState(3, running=batch, step_ms=5.0)) == 1.0  # never trusted to be faster
-    # Uncalibrated both fit the SLO (13.6 ms); calibrated, the slow one would miss it (20.4 ms).
+    assert router.unmodelled_ms(calm) == 0.0 and math.isclose(router.unmodelled_ms(slow), 5.2)
+    assert router.unmodelled_ms(EngineState(2)) == 0.0  # nothing observed yet
+    assert router.unmodelled_ms(EngineState(3, running=batch, step_ms=5.0, step_mbgmv_units=64.0)) == 0.0
+    # The observed steps ran a smaller batch (32 units: 7.2 ms predicted) in 12.4 ms: 5.2 ms unexplained.
+    shrunk = EngineState(4, running=batch, step_ms=12.4, step_mbgmv_units=32.0)
+    assert math.isclose(router.unmodelled_ms(shrunk), 5.2)
+    # By the model alone both fit the SLO (13.6 ms); with what it leaves out, the slow one would miss it.
+    assert math.isclose(router.predicted_ms(new, slow), 13.6 + 5.2)
     assert router.choose(new, [slow, calm]) == 1
-    assert math.isclose(router.predicted_ms(new, slow), 1.5 * 13.6)
+    tight = make_router("rank_aware", profile=profile, kernel="mbgmv", slo_ms=18.0)
+    assert tight.choose(new, [slow, calm]) == 1 and tight.cost(new, slow) > 1000.0
+
+
+def _spread_engines(std: float) -> list[EngineState]:
+    # BGMV α=0.05, β=4. A: four rank-64 rows (16.8 ms; a rank-64 newcomer makes 20.0 ms, +3.2);
+    # B: two rank-8 rows (4.8 ms; the newcomer pads them to 64: 13.6 ms, +8.8).
+    a = EngineState(0, running=tuple(EngineRequest(f"a{i}", "big", 64, remaining_tokens=100) for i in range(4)),
+                    step_ms_std=std)
+    b = EngineState(1, running=tuple(EngineRequest(f"b{i}", "small", 8, remaining_tokens=100) for i in range(2)),
+                    step_ms_std=std)
+    return [a, b]
+
+
+def test_rank_aware_leaves_short_requests_headroom_for_step_time_spread() -> None:
+    profile = PerfProfile(bgmv=KernelCost(0.05, 4.0))
+    router = make_router("rank_aware", profile=profile, kernel="bgmv", slo_ms=22.0)
+    long_one = RequestInfo("long", "big2", rank=64, max_tokens=500)
+    short_one = RequestInfo("short", "big2", rank=64, max_tokens=8)
+    # Steps scatter by σ = 4 ms: on A (20 ms, 2 ms under the SLO) the mean of 8 steps misses
+    # when 20 + 2·4/√8 > 22; 500 steps average the scatter out. B keeps 8.4 ms of headroom.
+    spread = _spread_engines(4.0)
+    assert router.violations(short_one, spread[0], 20.0) == 1 and router.violations(long_one, spread[0], 20.0) == 0
+    assert router.choose(long_one, spread) == 0  # the cheaper engine: +3.2 ms
+    assert router.choose(short_one, spread) == 1
+    # Nothing observed (σ = 0) or a router without the margin: the plain SLO check, both fit on A.
+    assert router.choose(short_one, _spread_engines(0.0)) == 0
+    plain = make_router("rank_aware", profile=profile, kernel="bgmv", slo_ms=22.0, spread_k=0.0)
+    assert plain.choose(short_one, spread) == 0
+    with pytest.raises(ValueError):
+        make_router("rank_aware", spread_k=-1.0)
+
+
+def test_rank_aware_charges_only_the_slo_misses_a_placement_causes() -> None:
+    profile = PerfProfile(bgmv=KernelCost(0.05, 4.0))
+    router = make_router("rank_aware", profile=profile, kernel="bgmv", slo_ms=22.0)
+    a, b = _spread_engines(4.0)
+    # A request with 2 tokens left already misses at A's 16.8 ms (16.8 + 8/√2 > 22): placing
+    # another request there does not make it miss, so it does not count against A.
+    nearly_done = EngineRequest("done-soon", "big", 64, remaining_tokens=2)
+    a = dataclasses.replace(a, running=(*a.running[:3], nearly_done))
+    assert router.violations(None, a, 16.8) == 1
+    long_one = RequestInfo("long", "big2", rank=64, max_tokens=500)
+    assert math.isclose(router.cost(long_one, a), 3.2)
+    assert router.choose(long_one, [a, b]) == 0
+
+
+def test_step_times_follow_the_level_and_measure_the_spread() -> None:
+    import random
+
+    from loraplex.daemon.router.snapshot import StepTimes
+
+    steady = StepTimes()
+    for _ in range(50):
+        steady.observe(12.5)
+    assert steady.mean_ms == 12.5 and steady.std_ms == 0.0
+    # Decode steps of 20 ms, one in five carrying a 25 ms prefill chunk: σ = 25·√(0.2·0.8) = 10 ms.
+    rng = random.Random(7)
+    spiky = StepTimes()
+    for _ in range(4000):
+        spiky.observe(20.0 + (25.0 if rng.random() < 0.2 else 0.0))
+    assert 7.0 < spiky.std_ms < 13.0
+    assert 20.0 <= spiky.mean_ms <= 45.0
+    level = StepTimes()
+    level.observe(10.0)
+    for _ in range(30):
+        level.observe(30.0)
+    assert level.mean_ms > 29.0  # follows a new level within a few steps
+
+
+def test_step_times_average_the_lora_work_of_the_same_steps() -> None:
+    from loraplex.daemon.router.snapshot import StepTimes
+
+    steps = StepTimes()
+    steps.observe(10.0, [8, 64, 16])
+    assert (steps.bgmv_units, steps.mbgmv_units) == (3 * 64, 88)
+    for _ in range(60):
+        steps.observe(10.0, [32, 32])
+    assert math.isclose(steps.bgmv_units, 64.0, rel_tol=1e-3) and math.isclose(steps.mbgmv_units, 64.0, rel_tol=1e-3)
+    steps.observe(10.0, [])  # a base-model step: no LoRA work
+    assert steps.bgmv_units < 64.0

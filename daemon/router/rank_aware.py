@@ -18,6 +18,15 @@ measurement, chosen so that in the Toppings Fig. 6 example (24 rank-32 requests
 on instance 1, 16 rank-64 on instance 2, SLO 36 ms, a new rank-64 request) the
 SLO is binding under both kernels — BGMV: 40.0 ms on instance 1 (breaks it)
 vs 28.5 ms on instance 2; MBGMV: 29.0 ms vs 36.6 ms (breaks it).
+
+Two corrections for real engines, both from the steps each engine reports
+(EngineState.step_ms, step_ms_std, step_*_units): the prediction adds the step
+time the model does not explain on that engine (observed minus predicted for
+the same steps: prefill chunks share decode steps under continuous batching),
+and the SLO check leaves headroom for the scatter of step times —
+a request's TPT is the mean of its remaining steps, so one with n tokens to go
+misses when predicted + k·σ/√n > SLO. Only the misses a placement causes are
+charged.
 Profile a real engine (bench) and pass its file for production use.
 """
 from __future__ import annotations
@@ -30,12 +39,14 @@ from typing import ClassVar, Literal
 from typing import Sequence as Seq
 
 from loraplex.daemon.router.base import Router, healthy
-from loraplex.daemon.router.state import EngineState, RequestInfo
+from loraplex.daemon.router.state import EngineState, RequestInfo, lora_units
 from loraplex.daemon.json_file import read_json_file
 
 Kernel = Literal["bgmv", "mbgmv"]
 KERNELS: tuple[str, ...] = ("bgmv", "mbgmv")
-MAX_CALIBRATION = 4.0  # observed steps may run at most this many times the fitted prediction
+# SLO margin in standard deviations of a request's mean step time (see violations()); 2: about
+# 98% of requests whose steps average to the prediction stay within the SLO.
+SPREAD_K = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +72,14 @@ class PerfProfile:
 
     def step_ms(self, kernel: Kernel, ranks: Seq[int]) -> float:
         """Predicted decode-step latency of a batch with these LoRA ranks."""
-        if kernel == "bgmv":
-            cost = self.bgmv
-            return cost.alpha * len(ranks) * (max(ranks) if ranks else 0) + cost.beta
-        if kernel == "mbgmv":
-            cost = self.mbgmv
-            return cost.alpha * sum(ranks) + cost.beta
-        raise ValueError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+        return self.units_ms(kernel, lora_units(kernel, ranks))
+
+    def units_ms(self, kernel: Kernel, units: float) -> float:
+        """Predicted step latency for `units` of LoRA work (lora_units) under `kernel`."""
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+        cost: KernelCost = getattr(self, kernel)
+        return cost.alpha * units + cost.beta
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         out: dict[str, dict[str, float]] = {}
@@ -103,30 +115,30 @@ class RankAwareRouter(Router):
     name: ClassVar[str] = "rank_aware"
 
     def __init__(self, profile: PerfProfile | None = None, *, kernel: Kernel = "mbgmv", slo_ms: float = 36.0,
-                 penalty_ms: float = 1000.0) -> None:
+                 penalty_ms: float = 1000.0, spread_k: float = SPREAD_K) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
-        if not (slo_ms > 0 and penalty_ms >= 0):
-            raise ValueError("slo_ms must be positive and penalty_ms non-negative")
+        if not (slo_ms > 0 and penalty_ms >= 0 and spread_k >= 0):
+            raise ValueError("slo_ms must be positive, penalty_ms and spread_k non-negative")
         self.profile = profile or PerfProfile()
         self.kernel: Kernel = kernel
         self.slo_ms = slo_ms
         self.penalty_ms = penalty_ms
+        self.spread_k = spread_k
 
     def predicted_ms(self, request: RequestInfo, engine: EngineState) -> float:
-        """Decode-step latency of `engine`'s batch with `request` added, scaled by how much slower
-        the engine's observed steps run than the LoRA cost model alone predicts (prefill chunks
-        sharing the steps, or a profile that drifted from the hardware)."""
-        return self.calibration(engine) * self.profile.step_ms(self.kernel, self._ranks_with(request, engine))
+        """Decode-step latency of `engine`'s batch with `request` added: the PERF model plus the
+        step time it does not explain on that engine (unmodelled_ms)."""
+        return self.profile.step_ms(self.kernel, self._ranks_with(request, engine)) + self.unmodelled_ms(engine)
 
-    def calibration(self, engine: EngineState) -> float:
-        """observed / predicted step time of the running batch, within [1, MAX_CALIBRATION]; 1 when
-        nothing has been observed. Never below 1: an idle-looking engine is not trusted to be faster
-        than the fitted model."""
-        if engine.step_ms <= 0 or not engine.running:
-            return 1.0
-        predicted = self.profile.step_ms(self.kernel, engine.running_ranks())
-        return min(max(engine.step_ms / predicted, 1.0), MAX_CALIBRATION) if predicted > 0 else 1.0
+    def unmodelled_ms(self, engine: EngineState) -> float:
+        """How much longer the engine's recent steps took than the PERF model predicts for those
+        same steps (moving averages of both): prefill chunks sharing the steps under continuous
+        batching, sampling, a profile that drifted from the hardware. Never below 0 (an engine is
+        not trusted to run faster than the fitted model); 0 before any step was observed."""
+        if engine.step_ms <= 0:
+            return 0.0
+        return max(0.0, engine.step_ms - self.profile.units_ms(self.kernel, engine.step_units(self.kernel)))
 
     def _ranks_with(self, request: RequestInfo, engine: EngineState) -> list[int]:
         ranks = engine.batch_ranks()
@@ -135,11 +147,31 @@ class RankAwareRouter(Router):
         return ranks
 
     def cost(self, request: RequestInfo, engine: EngineState) -> float:
-        before = self.calibration(engine) * self.profile.step_ms(self.kernel, engine.batch_ranks())
+        before = self.profile.step_ms(self.kernel, engine.batch_ranks()) + self.unmodelled_ms(engine)
         after = self.predicted_ms(request, engine)
-        slo = self.slo_ms if request.slo_ms is None else request.slo_ms
-        violating = engine.num_requests + 1 if after > slo else 0
-        return after - before + self.penalty_ms * violating
+        # Only the misses this placement causes: requests already missing at `before` (an engine
+        # seen slower than the model) cost nothing more here than elsewhere.
+        caused = self.violations(request, engine, after) - self.violations(None, engine, before)
+        return after - before + self.penalty_ms * max(0, caused)
+
+    def violations(self, request: RequestInfo | None, engine: EngineState, after_ms: float) -> int:
+        """How many requests of the batch, `request` included (when given), would miss the TPT SLO with steps of
+        `after_ms`. A request's TPT is the mean of its remaining steps, and those scatter around the
+        mean (prefill chunks of later arrivals land on some of them): it misses when
+        after + k·σ_step/√(its remaining tokens) exceeds the SLO, so short requests need headroom
+        and long ones average the chunks out. σ = 0 (nothing observed) is the plain check."""
+        slo = self.slo_ms if request is None or request.slo_ms is None else request.slo_ms
+        everyone = engine.num_requests + (request is not None)
+        if after_ms >= slo:
+            return everyone if after_ms > slo or self.spread_k * engine.step_ms_std > 0 else 0
+        spread = self.spread_k * engine.step_ms_std
+        if spread <= 0:
+            return 0
+        # misses iff remaining tokens < (spread / headroom)²
+        shortest_safe = (spread / (slo - after_ms)) ** 2
+        own = 0 if request is None else int(max(1, request.max_tokens if request.predicted_output is None
+                                                    else request.predicted_output) < shortest_safe)
+        return own + sum(1 for r in (*engine.running, *engine.waiting) if max(1, r.remaining_tokens) < shortest_safe)
 
     def choose(self, request: RequestInfo, engines: Seq[EngineState]) -> int:
         return min(healthy(engines), key=lambda i: (self.cost(request, engines[i]),

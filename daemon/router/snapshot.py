@@ -6,17 +6,50 @@ batch's LoRA ranks, resident adapters and free pages. Torch-free.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Callable
 
-from loraplex.daemon.router.state import EngineRequest, EngineState
+from loraplex.daemon.router.state import EngineRequest, EngineState, lora_units
 
 
-STEP_EMA = 0.2  # weight of the newest step in the observed step-time average
+STEP_EMA = 0.2  # weight of the newest step in the observed step-time averages
+# The spread is taken over a longer memory (~1/SPREAD_EMA steps): prefill chunks land on a few
+# steps in ten, and a five-step window would see most of them as a change of level.
+SPREAD_EMA = 0.05
 
 
-def step_ema(previous: float, step_ms: float) -> float:
-    """Moving average of observed step times (the first observation starts it)."""
-    return step_ms if previous <= 0 else (1 - STEP_EMA) * previous + STEP_EMA * step_ms
+@dataclass(slots=True)
+class StepTimes:
+    """Observed steps of one engine, for rank_aware: moving averages of the step time and of
+    the same steps' LoRA work in each kernel's cost units (so the router can tell how much of
+    the time its PERF model does not explain: prefill chunks, sampling), and an exponentially
+    weighted standard deviation of step times (its SLO margin). The first step starts them."""
+
+    mean_ms: float = 0.0
+    bgmv_units: float = 0.0
+    mbgmv_units: float = 0.0
+    _slow_mean_ms: float = 0.0
+    _var_ms2: float = 0.0
+
+    def observe(self, step_ms: float, lora_ranks: Sequence[int] = ()) -> None:
+        """One step of `step_ms` whose rows ran LoRA at `lora_ranks` (merged or base rows left out)."""
+        bgmv, mbgmv = lora_units("bgmv", lora_ranks), lora_units("mbgmv", lora_ranks)
+        if self.mean_ms <= 0:
+            self.mean_ms = self._slow_mean_ms = step_ms
+            self.bgmv_units, self.mbgmv_units = bgmv, mbgmv
+            return
+        self.mean_ms += STEP_EMA * (step_ms - self.mean_ms)
+        self.bgmv_units += STEP_EMA * (bgmv - self.bgmv_units)
+        self.mbgmv_units += STEP_EMA * (mbgmv - self.mbgmv_units)
+        diff = step_ms - self._slow_mean_ms
+        self._slow_mean_ms += SPREAD_EMA * diff
+        self._var_ms2 = (1 - SPREAD_EMA) * (self._var_ms2 + SPREAD_EMA * diff * diff)
+
+    @property
+    def std_ms(self) -> float:
+        return math.sqrt(self._var_ms2)
 
 
 def remaining_tokens(seq) -> int:
@@ -26,7 +59,7 @@ def remaining_tokens(seq) -> int:
 
 def engine_state(index: int, scheduler, *, rank_of: Callable[[str], int], bytes_of: Callable[[str, int], int],
                  max_num_seqs: int, total_pages: int, tokens_per_s: float, load_bytes_per_s: float,
-                 healthy: bool = True, step_ms: float = 0.0) -> EngineState:
+                 healthy: bool = True, steps: StepTimes | None = None) -> EngineState:
     """`scheduler`: a daemon.scheduler BaseScheduler; `rank_of(adapter)`; `bytes_of(adapter, rank)`:
     bytes an engine without the adapter must load."""
 
@@ -41,4 +74,7 @@ def engine_state(index: int, scheduler, *, rank_of: Callable[[str], int], bytes_
                        resident_adapters=frozenset(scheduler.adapters.resident_names()),
                        max_num_seqs=max_num_seqs, free_pages=scheduler.allocator.num_free, total_pages=total_pages,
                        tokens_per_s=tokens_per_s, load_bytes_per_s=load_bytes_per_s, healthy=healthy,
-                       step_ms=step_ms)
+                       step_ms=0.0 if steps is None else steps.mean_ms,
+                       step_ms_std=0.0 if steps is None else steps.std_ms,
+                       step_bgmv_units=0.0 if steps is None else steps.bgmv_units,
+                       step_mbgmv_units=0.0 if steps is None else steps.mbgmv_units)

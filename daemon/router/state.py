@@ -6,7 +6,18 @@ never touch live scheduler objects, so the same routers run in the simulator.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+
+def lora_units(kernel: str, ranks: Sequence[int]) -> float:
+    """A batch's LoRA work in the units a kernel's cost grows with: BGMV pads every row to the
+    largest rank (rows × max rank), MBGMV runs each row at its own rank (Σ rank)."""
+    if kernel == "bgmv":
+        return len(ranks) * max(ranks, default=0)
+    if kernel == "mbgmv":
+        return sum(ranks)
+    raise ValueError(f"unknown kernel {kernel!r}; choose bgmv or mbgmv")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +65,10 @@ class EngineState:
     load_bytes_per_s: float = 0.0  # host -> GPU link; 0 when unknown (adapter loads then count as free)
     healthy: bool = True
     step_ms: float = 0.0  # recent observed step time (moving average, prefill chunks included); 0: unknown
+    step_ms_std: float = 0.0  # spread of observed step times (prefill chunks come and go); 0: unknown
+    # LoRA work of the same observed steps (moving averages, in lora_units of each kernel)
+    step_bgmv_units: float = 0.0
+    step_mbgmv_units: float = 0.0
 
     @property
     def num_requests(self) -> int:
@@ -63,9 +78,9 @@ class EngineState:
     def pending_tokens(self) -> int:
         return sum(r.remaining_tokens for r in self.running) + sum(r.remaining_tokens for r in self.waiting)
 
-    def running_ranks(self) -> list[int]:
-        """Ranks of the LoRA requests in the batch that produced `step_ms`."""
-        return [r.rank for r in self.running if r.adapter is not None and r.rank > 0]
+    def step_units(self, kernel: str) -> float:
+        """The LoRA work of the steps behind `step_ms`, in `kernel`'s cost units."""
+        return self.step_bgmv_units if kernel == "bgmv" else self.step_mbgmv_units
 
     def batch_ranks(self) -> list[int]:
         """Ranks of the LoRA requests that will share its decode batch (running and queued)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.daemon.router import ROUTERS, EngineState, RequestInfo, Router, make_router
-from loraplex.daemon.router.snapshot import engine_state, step_ema
+from loraplex.daemon.router.snapshot import StepTimes, engine_state
 from loraplex.daemon.scheduler.base import BaseScheduler
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.factory import POLICIES, make_scheduler
@@ -124,7 +124,7 @@ class _Engine:
     end: float = 0.0
     busy_s: float = 0.0
     tokens: int = 0
-    step_ms: float = 0.0  # moving average of its step times (the router's calibration)
+    step_times: StepTimes = field(default_factory=StepTimes)  # what rank_aware reads of its steps
 
 
 class Simulator:
@@ -242,7 +242,7 @@ class Simulator:
                             bytes_of=lambda adapter, rank: p.adapter_bytes(rank), max_num_seqs=p.max_num_seqs,
                             total_pages=p.pool_pages, tokens_per_s=rate,
                             load_bytes_per_s=0.0 if self.config.mode == "cached" else p.pcie_bytes_per_s,
-                            step_ms=eng.step_ms)
+                            steps=eng.step_times)
 
     # ---- one engine step ---------------------------------------------------------------------
     def _start(self, eng: _Engine) -> None:
@@ -289,7 +289,7 @@ class Simulator:
             start = wait_until if mode == "on_demand" else now
         eng.plan, eng.started, eng.end = plan, now, start + step_s
         eng.busy_s += eng.end - now
-        eng.step_ms = step_ema(eng.step_ms, step_s * 1e3)
+        eng.step_times.observe(step_s * 1e3, ranks)
         eng.tokens += plan.num_tokens
         self.steps += 1
         self.decisions.append(Decision(eng.index, plan.step_id, now,
