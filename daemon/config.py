@@ -255,6 +255,10 @@ class ServerSettings(_Section):
         "Most requests one client connection may have in flight; more get a fast `overloaded` reply."))
     engines: int = field(default=1, metadata=_help(
         "Engine processes (replicas of the base model), normally one per GPU; several may share a device."))
+    decision_log: str | None = field(default=None, metadata=_help(
+        "Append one JSON line per scheduled step (engine, step, requests admitted, rows) to this file; "
+        "`loraplex sim --decision-log` writes the same lines for a simulated trace. Unset = off.",
+        "/var/log/loraplex/decisions.jsonl"))
 
     def __post_init__(self) -> None:
         self._check_types()

@@ -24,6 +24,7 @@ from loraplex.ipc.protocol import (
     GenerateRequest,
     ListAdaptersRequest,
     Message,
+    PauseRequest,
     PinAdapterRequest,
     PingRequest,
     PongReply,
@@ -35,7 +36,8 @@ from loraplex.ipc.protocol import (
 from loraplex.ipc.sockets import AsyncTypedSocket, PeerUnavailable
 
 log = logging.getLogger("loraplex.daemon")
-_ADMIN_ONLY = (AddAdapterRequest, RemoveAdapterRequest, PinAdapterRequest, DrainRequest, SetPolicyRequest)
+_ADMIN_ONLY = (AddAdapterRequest, RemoveAdapterRequest, PinAdapterRequest, DrainRequest, SetPolicyRequest,
+               PauseRequest)
 
 
 class Listener:
@@ -149,6 +151,9 @@ class Dispatcher:
                 else:
                     self.core.set_cache_policy(msg.name)
                 return AdminOkReply(detail={msg.kind: msg.name}, request_id=rid)
+            if isinstance(msg, PauseRequest):
+                self.core.set_paused(msg.paused)
+                return AdminOkReply(detail={"paused": msg.paused}, request_id=rid)
         except RegistryError as exc:
             code = {"already_exists": ErrorCode.ALREADY_EXISTS, "not_found": ErrorCode.NOT_FOUND,
                     "forbidden_path": ErrorCode.FORBIDDEN_PATH}.get(exc.code, ErrorCode.INVALID_FIELD)

@@ -17,6 +17,7 @@ from typing import Sequence as SequenceOf
 
 from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
 from loraplex.daemon.config import LoraplexConfig
+from loraplex.daemon.decision_log import DecisionLog, StepDecision
 from loraplex.daemon.detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
 from loraplex.daemon.engine_slot import EngineSlot
@@ -71,6 +72,8 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
         self.hello: EngineHello | None = None
         self.tokenizer = None
         self.draining = False
+        self.paused = False  # admin pause: requests queue up, no new step starts
+        self.decisions: DecisionLog | None = None  # server.decision_log, opened by start()
         self._idle = asyncio.Event()
         self._idle.set()
         self._per_client: dict[bytes, int] = {}  # identity -> requests in flight
@@ -107,6 +110,8 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
         start stepping. Raises EngineDied / EngineRefused if an engine cannot start."""
         for name, path, pinned in adapters:
             self.adapters.put(AdapterEntry(name=name, path=path, pinned=pinned))
+        if self.config.server.decision_log:
+            self.decisions = DecisionLog(self.config.server.decision_log)
         if self.cache is not None:  # before the engines: they attach its store
             await self._cache_up()
             async with self._host_lock:
@@ -160,6 +165,15 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
             if slot.scheduler is not None:
                 slot.scheduler.adapters.set_policy(name)
 
+    def set_paused(self, paused: bool) -> None:
+        """Hold or resume scheduling on every engine. Held, requests are still accepted, routed
+        and queued, steps in flight finish, and an engine that dies is still replaced."""
+        self.paused = paused
+        log.info("scheduling %s", "paused" if paused else "resumed")
+        if not paused:
+            for slot in self.slots:
+                slot.work.set()
+
     def set_router(self, name: str) -> None:
         """Switch the engine router at run time; requests already placed stay where they are."""
         if name not in ROUTERS:
@@ -208,10 +222,15 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
             await self.cpu.pool.stop()
         if self.cache is not None:  # last: engines may read its store until they exit
             await self._stop_cache()
+        if self.decisions is not None:
+            self.decisions.close()
 
     async def drain(self, timeout_s: float) -> bool:
-        """Stop admitting; wait up to `timeout_s` for in-flight requests. True if all finished."""
+        """Stop admitting; wait up to `timeout_s` for in-flight requests. True if all finished.
+        A paused daemon resumes: what it holds must run to finish."""
         self.draining = True
+        if self.paused:
+            self.set_paused(False)
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             return True
@@ -329,6 +348,9 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
             if not slot.link.alive():
                 await self._engine_lost(slot, getattr(slot.link, "lost_reason", None) or "the engine exited")
                 continue
+            if self.paused:
+                slot.work.clear()  # set_paused(False) wakes us
+                continue
             policy_started = time.perf_counter()
             if slot.policy_switch is not None:
                 slot.apply_policy_switch(self.cache_policy, self.adapters)
@@ -351,6 +373,8 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
             if self.cpu is not None and plan.merged_adapter is None:
                 plan = await self.cpu.prepare(plan, self.adapters)
             self._mark_scheduled(plan)
+            if self.decisions is not None:
+                self._log_decision(slot.index, plan)
             started = time.perf_counter()
             schedule_ms = (started - policy_started) * 1e3
             try:
@@ -373,7 +397,9 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
             if isinstance(reply, EngineStepDone):
                 returned = time.perf_counter()
                 await self._apply(sched, plan, reply)
-                slot.observe_step(sum(len(r.token_ids) for r in plan.rows), returned - started)
+                slot.observe_step(sum(len(r.token_ids) for r in plan.rows), returned - started,
+                                  [self._rank_of(r.adapter) for r in plan.rows
+                                   if r.adapter is not None and r.adapter != plan.merged_adapter])
                 self.stats.step(plan, reply.result, (returned - started) * 1e3,
                                 schedule_ms + (time.perf_counter() - returned) * 1e3)
                 if self.cpu is not None:
@@ -381,6 +407,15 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
             if held:
                 self._requeue_held(slot, held)
                 held = []
+
+    def _log_decision(self, engine: int, plan: StepPlan) -> None:
+        def client_id(key: str) -> str:
+            state = self.requests.get(key)
+            return state.request_id if state is not None else key
+
+        self.decisions.write(StepDecision(
+            engine, plan.step_id, tuple(client_id(r.request_id) for r in plan.rows if r.start_pos == 0),
+            tuple(client_id(r.request_id) for r in plan.rows), plan.merged_adapter))
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         placed = {p.name for p in plan.place}
@@ -493,6 +528,7 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
             cpu_assist=self.cpu.snapshot() if self.cpu is not None else None,
             workers=self.cpu.workers() if self.cpu is not None else [],
             draining=self.draining,
+            paused=self.paused,
             preemptions=sum(s.num_preemptions for s in scheds),
             scheduler=self.policy,
             running_adapters=sorted({q.req.adapter for s in scheds for q in s.running if q.req.adapter}),

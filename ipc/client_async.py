@@ -54,6 +54,7 @@ from loraplex.ipc.protocol import (
     GenerateRequest,
     ListAdaptersRequest,
     Message,
+    PauseRequest,
     PinAdapterRequest,
     PingRequest,
     PongReply,
@@ -485,3 +486,9 @@ class AsyncAdminClient(_AsyncBase):
         self, kind: PolicyKind, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S
     ) -> dict[str, object]:
         return await self._admin(SetPolicyRequest(kind=kind, name=name, request_id=new_request_id()), timeout)
+
+    async def pause(self, paused: bool = True, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
+        return await self._admin(PauseRequest(paused=paused, request_id=new_request_id()), timeout)
+
+    async def resume(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
+        return await self.pause(False, timeout=timeout)

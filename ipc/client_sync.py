@@ -55,6 +55,7 @@ from loraplex.ipc.protocol import (
     GenerateRequest,
     ListAdaptersRequest,
     Message,
+    PauseRequest,
     PinAdapterRequest,
     PingRequest,
     PongReply,
@@ -517,3 +518,10 @@ class AdminClient(_SyncBase):
     ) -> dict[str, object]:
         """Switch the "scheduler" or "cache" policy, or the engine "router", to the one called `name`."""
         return self._admin(SetPolicyRequest(kind=kind, name=name, request_id=new_request_id()), timeout)
+
+    def pause(self, paused: bool = True, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
+        """Hold scheduling (requests queue up, no new step starts) or, with paused=False, resume it."""
+        return self._admin(PauseRequest(paused=paused, request_id=new_request_id()), timeout)
+
+    def resume(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
+        return self.pause(False, timeout=timeout)

@@ -116,6 +116,7 @@ _SERVE_FLAGS = (
     ("--runtime-dir", "server.runtime_dir", str, "directory of the daemon's sockets"),
     ("--state-dir", "server.state_dir", str, "directory of the adapter registry"),
     ("--tcp-listen", "server.tcp_listen", str, "also serve clients on tcp://HOST:PORT"),
+    ("--decision-log", "server.decision_log", str, "append one JSON line per scheduled step to this file"),
 )
 
 
@@ -344,6 +345,20 @@ def _run_policy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_pause(args: argparse.Namespace, paused: bool) -> int:
+    """Hold or resume scheduling of the running daemon (admin socket)."""
+    from loraplex.ipc.client import AdminClient, LoraplexError
+
+    try:
+        with AdminClient(runtime_dir=args.runtime_dir) as admin:
+            admin.pause(paused)
+    except LoraplexError as exc:
+        print(f"loraplex {'pause' if paused else 'resume'}: error: {exc}", file=sys.stderr)
+        return 1
+    print("scheduling paused: requests queue up until `loraplex resume`" if paused else "scheduling resumed")
+    return 0
+
+
 def _configure_keys(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     gen = sub.add_parser("generate", help="write a CURVE key pair: DIR/NAME.key (secret, 0600) and DIR/NAME.pub")
@@ -446,6 +461,11 @@ COMMANDS: dict[str, Command] = {
                     configure=_configure_keys, run=_run_keys),
     "policy": Command(help="switch the scheduler, cache policy or engine router of the running daemon",
                       configure=_configure_policy, run=_run_policy),
+    "pause": Command(help="hold scheduling of the running daemon: requests are accepted and queue up, no new step "
+                          "starts (steps in flight finish)", configure=_runtime_dir_arg,
+                     run=lambda args: _run_pause(args, True)),
+    "resume": Command(help="resume scheduling after `loraplex pause`", configure=_runtime_dir_arg,
+                      run=lambda args: _run_pause(args, False)),
     "top": Command(help="live admin console: queues, requests, cache, PCIe, workers, engines; admin actions",
                    configure=_configure_top, run=_run_top),
     "gateway": Command(help="OpenAI-compatible HTTP server (completions, chat, models, metrics) over the daemon",

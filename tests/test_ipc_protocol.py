@@ -27,6 +27,7 @@ from loraplex.ipc.protocol import (
     PongReply,
     RemoveAdapterRequest,
     SetPolicyRequest,
+    PauseRequest,
     StatsReply,
     StatsRequest,
     EngineAdapterLoaded,
@@ -145,6 +146,7 @@ SAMPLES: list[Message] = [
     PinAdapterRequest(name="a1", pinned=False, request_id="adm-3"),
     DrainRequest(timeout_s=2.5, request_id="adm-4"),
     SetPolicyRequest(kind="cache", name="lru", request_id="adm-5"),
+    PauseRequest(paused=False, request_id="adm-6"),
     AdminOkReply(detail={"evicted": ["a2"], "pages_freed": 12}, request_id="adm-1"),
 ]
 

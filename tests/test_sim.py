@@ -135,6 +135,22 @@ def test_cli_compare_prints_ratios(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["sim", "--compare", "colour=red"]) == 2
 
 
+def test_cli_decision_log_has_a_line_per_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from loraplex.daemon.decision_log import read_decisions
+
+    log = tmp_path / "decisions.jsonl"
+    argv = ["sim", "--duration", "5", "--rate", "3", "--adapters", "4", "--prompt-mean", "64", "--output-mean", "8",
+            "--decision-log", str(log), "--json"]
+    assert cli_main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    decisions = read_decisions(log)
+    assert len(decisions) == out["steps"] > 0
+    admitted = [rid for d in decisions for rid in d.admitted]
+    assert sorted(admitted) == sorted(set(admitted)) and len(admitted) == out["requests"]
+    assert all(set(d.admitted) <= set(d.rows) for d in decisions)
+    assert cli_main(["sim", "--compare", "policy=fcfs,mlq", "--decision-log", str(log)]) == 2
+
+
 def test_cli_writes_pngs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["sim", "--compare", "mode=cached,on_demand", "--duration", "10", "--rates", "1", "3",
             "--plot-dir", str(tmp_path), "--json"]

@@ -110,6 +110,13 @@ def test_draining_is_flagged():
     assert "DRAINING" in render("health", live(s), width=100)
 
 
+def test_paused_is_flagged():
+    s = base_snapshot()
+    assert "PAUSED" not in render("health", live(s), width=100)
+    s["paused"] = True
+    assert "PAUSED" in render("health", live(s), width=100)
+
+
 def test_todays_daemon_renders_with_placeholders_not_zeros():
     view = live(base_snapshot())
     assert "SLO —" in render("requests", view)

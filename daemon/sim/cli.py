@@ -14,6 +14,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from loraplex.daemon.decision_log import StepDecision, write_decisions
 from loraplex.daemon.sim.metrics import format_table, ratios, summarize
 from loraplex.daemon.sim.profile import SimProfile
 from loraplex.daemon.sim.scenarios import SCENARIOS, Scenario, get, run_variants, sweep
@@ -67,6 +68,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", type=float, nargs="+", help="sweep these arrival rates (req/s)")
     p.add_argument("--json", action="store_true", help="print one JSON value on stdout")
     p.add_argument("--plot-dir", type=Path, help="write PNG plots here")
+    p.add_argument("--decision-log", type=Path,
+                   help="one run only: write its per-step decisions here, a JSON line each, in the format of the "
+                        "daemon's server.decision_log")
     p.add_argument("--profile", type=Path, help="latency profile JSON (SimProfile fields; replaces a scenario's)")
     p.add_argument("--profile-set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override one profile field, also a scenario's (repeatable; e.g. kernel=mbgmv)")
@@ -109,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         scenario = _scenario(args) if args.scenario else _custom(args)
         rates = args.rates or list(scenario.rates)
+        if args.decision_log and (rates or len(scenario.variants) > 1):
+            raise ValueError("--decision-log records one run: not with --compare, --rates or a multi-variant scenario")
         if rates:
             rows = sweep(scenario, rates)
             # The CDF plots show the highest rate (run once more only when plotting).
@@ -116,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
                 if args.plot_dir else {}
         else:
             rows, results = run_variants(scenario)
+            if args.decision_log:
+                (result,) = results.values()
+                write_decisions(args.decision_log, (StepDecision(d.engine, d.step_id, d.admitted, d.rows,
+                                                                 d.merged_adapter) for d in result.decisions))
     except (ValueError, OSError) as exc:
         print(f"loraplex sim: {exc}")
         return 2

@@ -1,6 +1,6 @@
 """Requests and the success reply of the admin socket (console, operators).
 
-Owns add/remove/pin adapter, drain and set_policy, and `admin_ok`. Failures
+Owns add/remove/pin adapter, drain, set_policy and pause, and `admin_ok`. Failures
 are answered with the common `error` reply. Every admin request may carry a
 `request_id`, echoed in its reply, because several can be in flight and some
 (add, drain) finish out of order. Never performs the operation itself.
@@ -95,6 +95,21 @@ class SetPolicyRequest(Message):
 
     def validate(self) -> None:
         check_name("name", self.name)
+        check_optional_request_id(self.request_id)
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class PauseRequest(Message):
+    """Hold (`paused`) or resume scheduling: while held, requests are accepted and queue up, steps
+    already running finish, and no new step starts (maintenance, or lining up a burst)."""
+
+    TYPE = "pause"
+
+    paused: bool = True
+    request_id: str | None = None
+
+    def validate(self) -> None:
         check_optional_request_id(self.request_id)
 
 

@@ -1,4 +1,4 @@
-"""Daemon health strip: link state, uptime, engine process, restarts, draining.
+"""Daemon health strip: link state, uptime, engine process, restarts, draining or paused.
 
 Reads the View's link state and age, uptime_s, engine{index,pid,alive,starts,
 device,num_pages}, engine_restarts, preemptions, draining and the admin
@@ -62,6 +62,8 @@ def render_health(view: View, width: int, height: int) -> RenderableType:
     first.append("  ").append_text(kv(("up", fmt_duration(s.get("uptime_s")))))
     if s.get("draining"):
         first.append("  DRAINING", style=BAD)
+    elif s.get("paused"):
+        first.append("  PAUSED", style=BAD)
     if height == 1:
         return lines([first.append("  ").append_text(engine_text(view))], 1)
     first.append("  ").append_text(kv(("requests", fmt_count(s.get("requests"))), ("steps", fmt_count(s.get("steps")))))
