@@ -181,6 +181,11 @@ class SchedulerSettings(_Section):
         "Prefer admitting requests whose adapter is already running (S-LoRA adapter clustering)."))
     cache_policy: str = field(default="lru", metadata=_help(
         "GPU adapter cache eviction: none (free on last use), lru, fifo or cost (Chameleon score)."))
+    cache_predictor: bool = field(default=False, metadata=_help(
+        "Also prefetch into free GPU pages the adapters a histogram of their past arrival gaps expects "
+        "within cache_predictor_horizon_s (only those already in the host store)."))
+    cache_predictor_horizon_s: float = field(default=5.0, metadata=_help(
+        "cache_predictor: how far ahead an expected arrival counts."))
     router: str = field(default="most_idle", metadata=_help(
         f"Which engine a new request goes to (with server.engines > 1): {', '.join(ROUTERS)}."))
     router_profile: str | None = field(default=None, metadata=_help(
@@ -203,6 +208,7 @@ class SchedulerSettings(_Section):
         self._choice("router_kernel", ("bgmv", "mbgmv"))
         self._finite("tpt_slo_ms", low=0.0, low_open=True)
         self._finite("rebalance_interval_s", low=0.0, low_open=True)
+        self._finite("cache_predictor_horizon_s", low=0.0, low_open=True)
         if self.router_profile == "":
             raise ConfigError("scheduler.router_profile must be a path or unset", "scheduler.router_profile")
         for name in ("max_num_seqs", "max_batched_tokens", "max_loras_per_batch"):

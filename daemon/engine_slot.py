@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
 from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
+from loraplex.daemon.cache.predictor import PredictorConfig
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.daemon.router.snapshot import StepTimes, engine_state
@@ -36,6 +38,9 @@ class EngineSlot:
         self.scheduler = None  # a daemon.scheduler policy, built when the engine is up
         self.load_mode = "on_demand"
         self.store_segment: str | None = None  # the cache manager's host store; None: the engine reads disk
+        # Whether an adapter sits in the host store (set by the daemon when it has a host tier): the
+        # cache predictor's guesses still on disk are not prefetched. None: every adapter counts.
+        self.host_resident: Callable[[str], bool] | None = None
         self.pending: list[SeqRequest] = []  # routed here while the engine (re)starts
         self.carried: list[Sequence] = []  # sequences of a dead engine awaiting recompute
         self.work = asyncio.Event()
@@ -162,15 +167,19 @@ class EngineSlot:
         def rank_of(name: str) -> int:
             return adapters.get(name).rank
 
-        return make_scheduler(
+        predictor = PredictorConfig(horizon_s=sched.cache_predictor_horizon_s) if sched.cache_predictor else None
+        scheduler = make_scheduler(
             policy,
             SchedulerConfig(max_num_seqs=sched.max_num_seqs, max_batched_tokens=sched.max_batched_tokens,
                             max_model_len=hello.max_model_len, load_groups=load_groups,
                             max_loras_per_batch=sched.max_loras_per_batch,
                             ttft_slo_s=None if sched.ttft_slo_ms is None else sched.ttft_slo_ms / 1e3,
-                            cluster_adapters=sched.cluster_adapters, cache_policy=cache_policy),
+                            cluster_adapters=sched.cluster_adapters, cache_policy=cache_policy,
+                            cache_predictor=predictor),
             geometry, self.allocator, adapters.pages, tuple(hello.eos_token_ids), adapter_rank=rank_of,
         )
+        scheduler.adapters.host_resident = self.host_resident
+        return scheduler
 
     def apply_policy_switch(self, cache_policy: str, adapters: AdapterTable) -> None:
         """Swap in the policy named by `policy_switch`, between two steps; queues carry over."""

@@ -83,6 +83,9 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
         # the host store; None: each engine reads adapters from disk into its own memory.
         self.cache = cache
         self.host_tier = None  # daemon.host_tier.HostTier once the cache manager is up
+        if cache is not None:
+            for slot in self.slots:
+                slot.host_resident = self._in_host_store
         self._host_lock = asyncio.Lock()
         self._host_loads: dict[str, asyncio.Task] = {}  # adapter -> load for requests held for it
         self._cache_recovery: asyncio.Task | None = None
@@ -164,6 +167,9 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
         for slot in self.slots:
             if slot.scheduler is not None:
                 slot.scheduler.adapters.set_policy(name)
+
+    def _in_host_store(self, name: str) -> bool:
+        return self.host_tier is not None and self.host_tier.is_resident(name)
 
     def set_paused(self, paused: bool) -> None:
         """Hold or resume scheduling on every engine. Held, requests are still accepted, routed

@@ -1,4 +1,5 @@
-"""bench/cache_policies.py runs end to end, tiny, and prints well-formed JSON.
+"""bench/cache_policies.py (policy-level replay) and bench/cache_live.py (a real daemon per
+policy) run end to end, tiny, and print well-formed JSON.
 
 Shapes and sanity only: benchmarks are never timed in tests (DESIGN §7)."""
 from __future__ import annotations
@@ -71,3 +72,54 @@ def test_synthetic_lengths_when_the_trace_is_missing(tmp_path: Path) -> None:
     (row,) = report["results"]
     assert tuple(row["policies"]) == ("lru", "cost")
     assert row["policies"]["lru"]["prefetches"] == 0
+
+
+# -- bench/cache_live.py: live daemons on the CPU demo model --------------------------------------
+
+LIVE = SCRIPT.with_name("cache_live.py")
+
+
+def test_live_pool_holds_a_working_set_but_not_every_adapter() -> None:
+    import random
+
+    sys.path.insert(0, str(LIVE.parent))
+    try:
+        import cache_live
+    finally:
+        sys.path.remove(str(LIVE.parent))
+    from loraplex.gpu_engine.demo.model import demo_model_config
+
+    ranks = [random.choice((8, 16, 32, 64, 128)) for _ in range(random.randint(24, 40))]
+    geometry, pages = cache_live.adapter_pages(demo_model_config(), ranks)
+    by_rank = dict(zip(ranks, pages))
+    assert all(by_rank[a] < by_rank[b] for a, b in zip(sorted(by_rank), sorted(by_rank)[1:])), by_rank
+    num_pages = cache_live.pool_size(geometry, pages, 0.3, 160)
+    kv = cache_live.MAX_NUM_SEQS * geometry.kv_pages_for(160)
+    assert num_pages - kv < sum(pages), "every adapter would fit: no eviction to measure"
+    assert num_pages - kv >= 2 * max(pages)
+
+
+@pytest.mark.slow  # two daemon start-ups: ~30 s on a busy 2-core host
+def test_live_smoke_lru_hits_more_than_none(demo) -> None:
+    """Two daemons (none, lru), one light load, a steep Zipf: none frees each adapter when its
+    last request ends, lru keeps it, so lru must hit strictly more often."""
+    proc = subprocess.run([sys.executable, str(LIVE), "--json", "--policies", "none,lru", "--rates", "6",
+                           "--duration", "60", "--max-requests", "14", "--adapters", "6", "--zipf", "2.0"],
+                          capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["benchmark"] == "cache_live"
+    assert len(report["config"]["ranks"]) == 6 and set(report["config"]["ranks"].values()) <= {8, 16, 32, 64, 128}
+    (row,) = report["results"]
+    assert row["rate_rps"] == 6.0 and tuple(row["policies"]) == ("none", "lru")
+    assert row["p99_ttft_ratio"] == {}  # no cost policy in this run
+    assert report["targets"] == {"cost_p99_le_lru_per_rate": None, "cost_p99_le_half_none_at_highest_rate": None}
+    assert report["daemon_exit"] == {"none": [0], "lru": [0]}
+    for r in row["policies"].values():
+        assert r["requests"] == r["completed"] == 14 and r["aborted"] == 0
+        assert len(r["ttft_p99_ms_by_round"]) == 1 and r["ttft_p99_ms_by_round"][0] == r["ttft_ms"]["p99"]
+        assert r["hits"] + r["misses"] == 14
+        t = r["ttft_ms"]
+        assert all(finite(t[k]) and t[k] > 0 for k in ("mean", "p50", "p90", "p99"))
+        assert t["p50"] <= t["p90"] <= t["p99"]
+    assert row["policies"]["lru"]["hit_rate"] > row["policies"]["none"]["hit_rate"]

@@ -91,3 +91,85 @@ def test_history_stays_bounded_and_probabilities_valid(gaps: list[float], probe:
         assert sum(pred._gaps["a"].values()) == len(kept) - 1
     p = pred.probability("a", t + probe)
     assert 0.0 <= p <= 1.0
+
+
+# -- prefetch through AdapterResidency: predictor picks must be in the host store ---------------
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _residency_with_beats(names: list[str], host: set[str] | None):
+    import random
+
+    from loraplex.daemon.memory.adapter_residency import AdapterResidency
+    from loraplex.daemon.memory.allocator import PageAllocator
+
+    clock = _Clock()
+    pred = ArrivalPredictor(PredictorConfig(horizon_s=1.0, bin_s=0.5, min_gaps=3))
+    res = AdapterResidency(PageAllocator(64), "lru", predictor=pred, clock=clock,
+                           host_resident=None if host is None else host.__contains__)
+    period = random.uniform(2.0, 4.0)
+    for i in range(8):  # every adapter arrives on the same beat: all are predicted together
+        clock.t = i * period
+        for n in names:
+            res.note_arrival(n)
+    clock.t = 7 * period + period - 0.4
+    return res
+
+
+def test_prefetch_skips_predicted_adapters_not_in_the_host_store() -> None:
+    import random
+
+    names = [f"a{i}" for i in range(6)]
+    on_host = set(random.sample(names, 3))
+    res = _residency_with_beats(names, on_host)
+    assert set(res._predictor.predict(res._clock())) == set(names), "the predictor does pick all of them"
+    queued = next(n for n in names if n not in on_host)  # a queued request's adapter is still prefetched
+    placed = res.prefetch([queued], lambda n: 2, budget_pages=64)
+    assert {p.name for p in placed} == on_host | {queued}
+    assert placed[0].name == queued
+
+
+def test_without_a_host_filter_every_predicted_adapter_is_prefetched() -> None:
+    names = [f"b{i}" for i in range(4)]
+    res = _residency_with_beats(names, None)
+    placed = res.prefetch([], lambda n: 3, budget_pages=64)
+    assert sorted(p.name for p in placed) == names
+    # the filter can be bound later (the daemon binds it to its host tier)
+    res2 = _residency_with_beats(names, None)
+    res2.host_resident = {"b2"}.__contains__
+    assert [p.name for p in res2.prefetch([], lambda n: 3, budget_pages=64)] == ["b2"]
+
+
+def test_engine_slots_build_caches_with_the_configured_predictor_and_host_filter() -> None:
+    """scheduler.cache_predictor turns the predictor on in every engine's GPU cache, and each
+    cache asks the daemon's host tier (through EngineSlot.host_resident) what sits in the store."""
+    import asyncio
+
+    from bench.stub_engine import StubEngineLink
+    from loraplex.daemon.adapter_table import AdapterTable
+    from loraplex.daemon.config import load_config
+    from loraplex.daemon.engine_slot import EngineSlot
+    from loraplex.daemon.memory.allocator import PageAllocator
+    from loraplex.daemon.memory.geometry import PageGeometry
+
+    hello = asyncio.run(StubEngineLink(None, None, {}).start())
+    geometry = PageGeometry(kv_dim=1, page_tokens=16, max_row_width=0)
+    in_store = {"on-host"}
+    for on, horizon in ((False, 5.0), (True, 2.5)):
+        config = load_config(None, env={}, overrides={"scheduler.cache_predictor": on,
+                                                       "scheduler.cache_predictor_horizon_s": horizon})
+        slot = EngineSlot(0, StubEngineLink(None, None, {}), config)
+        slot.allocator = PageAllocator(64)
+        slot.host_resident = in_store.__contains__
+        sched = slot.build_scheduler("fcfs", "lru", geometry, hello, 1, AdapterTable())
+        predictor = sched.adapters._predictor
+        assert (predictor is not None) == on
+        if on:
+            assert predictor.config.horizon_s == horizon
+        assert sched.adapters.host_resident("on-host") and not sched.adapters.host_resident("on-disk")

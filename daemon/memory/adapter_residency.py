@@ -69,15 +69,19 @@ class AdapterResidency:
 
     policy: "none" | "lru" | "fifo" | "cost" (see loraplex.daemon.cache.policies);
     weights: cost-policy weights and frequency half-life; predictor: extends
-    prefetch candidates with adapters expected soon (None: off); clock: seconds.
+    prefetch candidates with adapters expected soon (None: off); host_resident: whether
+    an adapter sits in the host store (None: all do), so predictor picks still on disk
+    are not prefetched; clock: seconds.
     """
 
     def __init__(self, allocator: PageAllocator, policy: str = "lru", *, weights: CostWeights | None = None,
-                 predictor: ArrivalPredictor | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 predictor: ArrivalPredictor | None = None, host_resident: Callable[[str], bool] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._alloc = allocator
         self._weights = weights or CostWeights()
         self._policy: EvictionPolicy = make_policy(policy, self._weights)
         self._predictor = predictor
+        self.host_resident = host_resident
         self._clock = clock
         self._resident: OrderedDict[str, ResidentAdapter] = OrderedDict()  # least recently used first
         self._usage: dict[str, AdapterUsage] = {}
@@ -265,11 +269,14 @@ class AdapterResidency:
                  load_groups: int = 1, hash_of: Callable[[str], str | None] | None = None) -> list[AdapterPlacement]:
         """Place adapters that are not resident into FREE pages only (nothing is evicted), at most
         `budget_pages` in all: pinned ones first, then `candidates` in order (the adapters of
-        queued requests, queue order), then the predictor's picks. Returns the placements made;
-        they also go out with the next take_changes()."""
+        queued requests, queue order), then the predictor's picks that are host-resident. Returns
+        the placements made; they also go out with the next take_changes()."""
         order: list[str] = [*self._pinned, *candidates]
         if self._predictor is not None:
-            order += self._predictor.predict(self._clock())
+            # A guess still on disk would first need a disk read into the host store: not worth
+            # it ahead of a request (queued requests' adapters are brought to the host anyway).
+            on_host = self.host_resident
+            order += [n for n in self._predictor.predict(self._clock()) if on_host is None or on_host(n)]
         placed: list[AdapterPlacement] = []
         seen: set[str] = set()
         for name in order:

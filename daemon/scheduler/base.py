@@ -17,6 +17,7 @@ from collections import deque
 from typing import Callable, ClassVar
 from typing import Sequence as Seq
 
+from loraplex.daemon.cache.predictor import ArrivalPredictor
 from loraplex.daemon.memory.adapter_residency import AdapterResidency
 from loraplex.daemon.memory.allocator import KV, PageAllocator
 from loraplex.daemon.memory.geometry import PageGeometry
@@ -44,7 +45,8 @@ class BaseScheduler(ABC):
         self.config = config
         self.geometry = geometry
         self.allocator = allocator
-        self.adapters = AdapterResidency(allocator, config.cache_policy)
+        predictor = None if config.cache_predictor is None else ArrivalPredictor(config.cache_predictor)
+        self.adapters = AdapterResidency(allocator, config.cache_policy, predictor=predictor, clock=clock)
         self._adapter_pages = adapter_pages
         # Without ranks, an adapter's page count stands in for its size (it grows with the rank).
         self._adapter_rank = adapter_rank or adapter_pages

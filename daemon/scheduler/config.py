@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from loraplex.daemon.cache.predictor import PredictorConfig
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -30,6 +32,9 @@ class SchedulerConfig:
     cache_policy: str = "lru"
     # Prefetch adapters of queued requests into free pages (never evicting for it).
     prefetch: bool = True
+    # Also prefetch adapters a histogram of past arrivals expects soon (daemon/cache/predictor.py);
+    # None: off (the default).
+    cache_predictor: PredictorConfig | None = None
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_batched_tokens, self.max_model_len, self.load_groups) <= 0:
