@@ -109,6 +109,7 @@ def hello_for(runtime: EngineRuntime, demo: bool, resources: CpuAssistResources 
         store_segment=(resources.store.name if resources.store else runtime.spec.host_store_segment)
         if resources else "",
         exchange=resources.assist.layout if resources else None,
+        **runtime.executor.graph_info.as_dict(),
     )
 
 

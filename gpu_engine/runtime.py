@@ -46,6 +46,7 @@ class EngineSpec:
     host_store_segment: str = ""  # set by the daemon: the cache manager's store; the engine only attaches it
     replica: int = 0  # which of the daemon's engines this is: `cuda` means GPU (replica mod GPU count)
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (effective on CUDA with lora_backend=triton)
+    max_num_seqs: int = DEFAULT_GRAPH_BATCH  # the largest decode batch: the largest graph bucket
 
     def resolved(self) -> EngineSpec:
         """Replace the `auto` values by what this machine supports; validate the rest."""
@@ -66,6 +67,8 @@ class EngineSpec:
             raise ValueError(f"lora_backend must be one of {LORA_BACKENDS} or auto, got {self.lora_backend!r}")
         if not isinstance(self.max_lora_rank, int) or self.max_lora_rank <= 0:
             raise ValueError(f"max_lora_rank must be a positive integer, got {self.max_lora_rank!r}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
         model = self.model
         if model is None:
             from loraplex.gpu_engine.demo import builtin_demo
@@ -94,7 +97,9 @@ class EngineRuntime:
         return Path(self.spec.model or "")
 
 
-def build_runtime(spec: EngineSpec, *, max_num_seqs: int = DEFAULT_GRAPH_BATCH) -> EngineRuntime:
+def build_runtime(spec: EngineSpec, *, max_num_seqs: int | None = None) -> EngineRuntime:
+    """The engine's model, pool and executor for `spec`; decode graphs are captured for batches up to
+    `max_num_seqs` (default spec.max_num_seqs)."""
     spec = spec.resolved()
     model_dir = Path(spec.model or "")
     device, dtype = torch.device(spec.device), DTYPES[spec.dtype]
@@ -116,7 +121,7 @@ def build_runtime(spec: EngineSpec, *, max_num_seqs: int = DEFAULT_GRAPH_BATCH) 
                         lora_backend=spec.lora_backend, load_throttle_bytes_s=spec.load_throttle_bytes_s)
     limit = min(config.max_position_embeddings, num_pages * geometry.page_tokens)
     max_model_len = min(spec.max_model_len, limit) if spec.max_model_len else limit
-    executor.setup_decode_graphs(max_batch=max_num_seqs, max_model_len=max_model_len,
+    executor.setup_decode_graphs(max_batch=max_num_seqs or spec.max_num_seqs, max_model_len=max_model_len,
                                  max_lora_rank=spec.max_lora_rank, enabled=spec.cuda_graphs)
     return EngineRuntime(spec=spec, config=config, geometry=geometry, executor=executor, num_pages=num_pages,
                          max_model_len=max_model_len)

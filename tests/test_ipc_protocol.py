@@ -77,7 +77,7 @@ SAMPLES: list[Message] = [
                 hidden_size=256, kv_dim=128, max_model_len=4096, num_pages=100, page_tokens=16, page_elems=4096,
                 eos_token_ids=[2], bos_token_id=1, lora_backend="triton", demo_adapters={"a": "/d/a"},
                 load_mode="cpu_assist", link_bytes_per_s=2.5e10, store_segment="/lpx-0123456789ab-store",
-                exchange=_EXCHANGE),
+                exchange=_EXCHANGE, cuda_graphs=True, graph_buckets=[1, 2, 4], graph_reason="n/a"),
     EngineLoadAdapter(name="sql", path="/adapters/sql", store_segment="/lpx-0123456789ab-store-g1", store_entry=_ENTRY,
                       keep_resident=True),
     CacheHello(pid=43, store_segment="/lpx-0123456789ab-store-g1", capacity_bytes=1 << 20, dtype="bfloat16",

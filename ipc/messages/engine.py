@@ -42,6 +42,9 @@ class EngineHello(Message):
     link_bytes_per_s: float = 0.0  # measured host->pool copy bandwidth
     store_segment: str = ""  # the host adapter store (cpu_assist)
     exchange: ExchangeLayout | None = None  # the activation exchange (cpu_assist)
+    cuda_graphs: bool = False  # decode steps replay captured CUDA graphs
+    graph_buckets: list[int] = field(default_factory=list)  # their batch sizes
+    graph_reason: str = ""  # why decode steps run eagerly ("" when graphs are on)
 
 
 @register
