@@ -5,7 +5,11 @@ Starts `loraplex serve` on the random demo model (`ensure_demo_model()`, passed 
 --model/--adapter) in a private runtime directory, with the engine's test-only fault hook
 armed through a file (LORAPLEX_FAULTS=file=PATH), and injects each fault --repeats times
 into a request in flight. A second daemon in `cpu_assist` mode with two CPU workers takes
-the worker faults. Per fault:
+the worker faults; a third, with a host store too small for every adapter
+(--host-store-bytes), the cache manager's: SIGKILL or SIGSTOP with a request's load from
+disk in flight (the process is stopped first so the load order is sure to be pending in
+it). Warm spares (server.spare_children) are on unless --no-spare-children; each fault
+waits for the spare to finish its imports first, so it measures a warm handoff. Per fault:
 - `recovery_s`: from the fault to the affected request's first token after it (for a
   fault mid-decode, the gap in its stream; mid-prefill, fault to first token);
 - `hello_s`: from the fault to the stats showing the replacement child running (engine:
@@ -17,9 +21,11 @@ the worker faults. Per fault:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import sys
@@ -35,6 +41,7 @@ from loraplex.ipc.client import Client, LoraplexError
 LONG_PROMPT = [3 + (7 * i) % 500 for i in range(300)]
 DECODE_PROMPT = [4, 5, 6]
 COLD_ADAPTERS = ("all-r32", "mlp-r64", "attn-r16", "rslora-r16", "kdown-r8", "qv-r8")
+CACHE_STORE_BYTES = 3_500_000  # the demo adapters take ~6.4 MB: some are always on disk
 
 
 def _log(msg: str) -> None:
@@ -88,6 +95,25 @@ def reference(runtime_dir: Path, prompt: list[int], adapter: str | None, max_tok
                           timeout=180).token_ids
 
 
+def spare_warm(runtime_dir: Path) -> bool:
+    return bool(stats(runtime_dir)["engine"].get("spare_ready"))
+
+
+def cache_spare_warm(daemon_pid: int) -> bool:
+    """The cache manager's spare waits on its stdin (the stats do not report it)."""
+    for task in Path(f"/proc/{daemon_pid}/task").iterdir():
+        for kid in (task / "children").read_text().split():
+            try:
+                cmdline = Path(f"/proc/{kid}/cmdline").read_bytes()
+                spare = Path(f"/proc/{kid}/comm").read_text().strip() == "loraplex-spare"  # a former one: renamed
+                if spare and b"cache_manager_process" in cmdline:
+                    wchan = Path(f"/proc/{kid}/wchan").read_text()  # its stdin: a socketpair under asyncio
+                    return "pipe_read" in wchan or "unix_stream_read" in wchan
+            except OSError:
+                continue
+    return False
+
+
 def engine_replaced(runtime_dir: Path, old_pid: int) -> bool:
     engine = stats(runtime_dir)["engine"]
     return engine["pid"] not in (None, old_pid) and engine["ready"]
@@ -104,6 +130,8 @@ def reap(pid: int) -> None:
 
 def engine_fault(rt: Path, kind: str, adapter: str | None, expected: list[int]) -> dict:
     """kind: sigkill_decode, sigstop_decode, sigkill_prefill, sigstop_prefill, raise."""
+    if SPARES and kind.startswith("sig"):
+        wait_for(lambda: spare_warm(rt), 60, 0.1)
     pid = stats(rt)["engine"]["pid"]
     prefill = kind.endswith("prefill")
     prompt = LONG_PROMPT if prefill else DECODE_PROMPT
@@ -123,9 +151,10 @@ def engine_fault(rt: Path, kind: str, adapter: str | None, expected: list[int]) 
         hello = time.monotonic() - hit
     req.join(180)
     reap(pid) if kind.startswith("sigstop") else None
-    first = req.first_after(hit)
-    return {"recovery_s": None if first is None else first - hit, "hello_s": hello,
-            "lost": int(req.error is not None or req.tokens != expected)}
+    after = [hit] + [t for t in req.times if t > hit]
+    # Mid-decode: the longest gap from the fault on (a chunk already on its way may land just after it).
+    recovery = None if len(after) < 2 else (after[1] - hit if prefill else max(b - a for a, b in zip(after, after[1:])))
+    return {"recovery_s": recovery, "hello_s": hello, "lost": int(req.error is not None or req.tokens != expected)}
 
 
 def oom_batch_fault(rt: Path, expected: dict[tuple[int, ...], list[int]]) -> dict:
@@ -145,6 +174,8 @@ def oom_batch_fault(rt: Path, expected: dict[tuple[int, ...], list[int]]) -> dic
 
 
 def idle_engine_stop(rt: Path) -> dict:
+    if SPARES:
+        wait_for(lambda: spare_warm(rt), 60, 0.1)
     pid = stats(rt)["engine"]["pid"]
     hit = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
@@ -174,7 +205,48 @@ def worker_fault(rt: Path, sig: int, adapter: str, expected: list[int], index: i
             "lost": int(req.error is not None or req.tokens != expected)}
 
 
+def cache_fault(rt: Path, daemon_pid: int, sig: int, refs: dict[str, list[int]]) -> dict:
+    """The cache manager is SIGKILLed or SIGSTOPped while a request's adapter loads from disk."""
+    if SPARES:
+        wait_for(lambda: cache_spare_warm(daemon_pid), 60, 0.1)
+    tier = stats(rt)["host_tier"]
+    adapter = next(a for a in refs if a not in tier["resident"])  # on disk: the request needs a load
+    old, old_segment = tier["pid"], tier["segment"]
+    os.kill(old, signal.SIGSTOP)  # first, so the load order is sure to land on (and stay in) the process
+    hit = time.monotonic()
+    req = Stream(rt, DECODE_PROMPT, adapter, len(refs[adapter]))
+    if sig == signal.SIGKILL:
+        time.sleep(0.3)  # the order is in flight
+        os.kill(old, signal.SIGKILL)
+        hit = time.monotonic()
+
+    def replaced() -> bool:
+        host = stats(rt)["host_tier"]  # a new segment: the replacement said hello
+        return host["pid"] != old and host["alive"] and host["segment"] not in ("", old_segment)
+
+    wait_for(replaced, 60)
+    hello = time.monotonic() - hit
+    req.join(180)
+    reap(old)
+    first = req.first_after(hit)
+    return {"recovery_s": None if first is None else first - hit, "hello_s": hello,
+            "lost": int(req.error is not None or req.tokens != refs[adapter])}
+
+
+@contextlib.contextmanager
+def _workdir():
+    """A scratch directory, kept (with the daemons' logs) when the run fails."""
+    path = tempfile.mkdtemp(prefix="loraplex-faults-")
+    try:
+        yield path
+    except BaseException:
+        _log(f"failed: daemon logs kept in {path}/*/daemon.log")
+        raise
+    shutil.rmtree(path, ignore_errors=True)
+
+
 FAULT_FILE: dict[Path, Path] = {}
+SPARES = True
 
 
 def arm(rt: Path, spec: str) -> None:
@@ -203,8 +275,12 @@ def main() -> int:
     parser.add_argument("--throttle-bytes-s", type=float, default=3e6,
                         help="adapter load throttle, so a cold-adapter prefill lasts long enough to hit")
     parser.add_argument("--heartbeat-timeout-s", type=float, default=None, help="server.heartbeat_timeout_s")
+    parser.add_argument("--no-spare-children", action="store_true",
+                        help="server.spare_children = false: every restart spawns a cold process")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    global SPARES
+    SPARES = not args.no_spare_children
     from loraplex.gpu_engine.demo import ensure_demo_model
 
     demo = ensure_demo_model()
@@ -214,11 +290,13 @@ def main() -> int:
     env_extra = {"LORAPLEX_MODEL_LOAD_THROTTLE_BYTES_S": str(args.throttle_bytes_s)}
     if args.heartbeat_timeout_s is not None:
         env_extra["LORAPLEX_SERVER_HEARTBEAT_TIMEOUT_S"] = str(args.heartbeat_timeout_s)
+    env_extra["LORAPLEX_SERVER_SPARE_CHILDREN"] = "true" if SPARES else "false"
     results: dict[str, list[dict]] = {}
-    with tempfile.TemporaryDirectory(prefix="loraplex-faults-") as tmp:
+    with _workdir() as tmp:
         root = Path(tmp)
         (root / "a").mkdir()
         (root / "b").mkdir()
+        (root / "c").mkdir()
         os.environ.update(env_extra)
         os.environ["LORAPLEX_FAULTS"] = f"file={root / 'fault'}"  # test/bench-only hook of the engine
         proc, rt = start_daemon(root / "a", serve)
@@ -258,10 +336,22 @@ def main() -> int:
                         worker_fault(rt, sig, adapter, long_ref[adapter]))
         finally:
             status_b = stop_daemon(proc)
+        # The host tier: no load throttle (the cache manager reads from disk at disk speed anyway).
+        os.environ.pop("LORAPLEX_MODEL_LOAD_THROTTLE_BYTES_S")
+        proc, rt = start_daemon(root / "c", [*serve, "--host-store-bytes", str(CACHE_STORE_BYTES)])
+        try:
+            refs = {a: reference(rt, DECODE_PROMPT, a, 8) for a in COLD_ADAPTERS}
+            for sig, label in ((signal.SIGKILL, "sigkill"), (signal.SIGSTOP, "sigstop")):
+                for i in range(args.repeats):
+                    _log(f"cache manager {label} mid-load #{i + 1}")
+                    results.setdefault(f"cache_manager_{label}_load", []).append(cache_fault(rt, proc.pid, sig, refs))
+        finally:
+            status_c = stop_daemon(proc)
     report = {
         "bench": "faults", "host": platform.node(), "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
         "repeats": args.repeats, "throttle_bytes_s": args.throttle_bytes_s,
-        "heartbeat_timeout_s": args.heartbeat_timeout_s or 3.0, "daemon_exit": [status_a, status_b],
+        "heartbeat_timeout_s": args.heartbeat_timeout_s or 3.0, "daemon_exit": [status_a, status_b, status_c],
+        "spare_children": SPARES,
         "faults": {name: summarise(runs) for name, runs in results.items()},
     }
     report["lost_total"] = sum(f["lost"] for f in report["faults"].values())

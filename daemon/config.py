@@ -131,6 +131,9 @@ class ModelSettings(_Section):
         "Most prefill tokens per step that CPU workers can take (cpu_assist)."))
     load_throttle_bytes_s: float | None = field(default=None, metadata=_help(
         "Test-only: cap the adapter copy rate on CPU hosts so loads span many layers.", "4e6"))
+    cuda_graphs: bool = field(default=True, metadata=_help(
+        "Replay decode steps of up to scheduler.max_num_seqs rows as captured CUDA graphs (on CUDA with the "
+        "triton LoRA backend; elsewhere decode runs eagerly)."))
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -250,6 +253,9 @@ class ServerSettings(_Section):
     heartbeat_timeout_s: float = field(default=3.0, metadata=_help(
         "Seconds without a heartbeat (sent every 0.5 s) before a child process (engine, CPU worker) counts as "
         "hung and is killed and restarted, busy or idle."))
+    spare_children: bool = field(default=True, metadata=_help(
+        "Keep one warm spare process (torch imported, no device touched) per engine and for the cache manager, "
+        "so a restart skips the imports (~1.5 s); costs one idle process (a few hundred MB of host RAM) each."))
     max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata=_help("Largest message accepted."))
     max_clients_inflight: int = field(default=4096, metadata=_help("Most requests in flight over all clients."))
     stats_interval_s: float = field(default=0.25, metadata=_help("Seconds between stats snapshots on the PUB socket."))

@@ -82,16 +82,19 @@ async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = No
             sockets.append(listeners[-1].sock)
         pub = make_pub(ctx, eps.stats, limits=limits)
         sockets.append(pub)
-        spec = {**dataclasses.asdict(config.model), "shm_instance": instance_id(runtime_dir)}
+        spec = {**dataclasses.asdict(config.model), "shm_instance": instance_id(runtime_dir),
+                "max_num_seqs": config.scheduler.max_num_seqs}  # the largest decode batch: the largest graph
         engines = [engine_factory(ctx, runtime_dir, {**spec, "replica": i}, index=i,
                                   start_timeout_s=config.server.engine_start_timeout_s,
                                   step_timeout_s=config.server.engine_step_timeout_s,
-                                  heartbeat_timeout_s=config.server.heartbeat_timeout_s)
+                                  heartbeat_timeout_s=config.server.heartbeat_timeout_s,
+                                  spare=config.server.spare_children)
                    for i in range(config.server.engines)]
         # The host tier's process; a stub engine factory (tests, the overhead bench) runs without one.
         cache = CacheManagerLink(ctx, runtime_dir, spec, start_timeout_s=config.server.engine_start_timeout_s,
                                  step_timeout_s=config.server.engine_step_timeout_s,
-                                 heartbeat_timeout_s=config.server.heartbeat_timeout_s) \
+                                 heartbeat_timeout_s=config.server.heartbeat_timeout_s,
+                                 spare=config.server.spare_children) \
             if engine_factory is EngineLink else None
         swept = sweep_stale()
         if swept:

@@ -274,4 +274,5 @@ class HostTierAdmin:
         if self.host_tier is None:
             return None
         return {**self.host_tier.snapshot(), "pid": self.cache.pid, "alive": self.cache.alive(),
-                "starts": self.cache.starts, "segment": self.cache.segment}
+                "starts": self.cache.starts, "segment": self.cache.segment, "spare_pid": self.cache.spare_pid,
+                "spare_ready": self.cache.spare_ready}

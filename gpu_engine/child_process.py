@@ -6,6 +6,8 @@ fatal `engine_failure` before exiting.
 
 Used by the engine (`loraplex-engine`) and the cache manager
 (`loraplex-cache-manager`); each brings a `start(spec)` and a `serve(...)`.
+A warm spare (loraplex/standby.py) arrives here the same way, its `--spec`
+appended once the daemon handed it over on stdin.
 """
 from __future__ import annotations
 

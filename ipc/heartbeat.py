@@ -45,7 +45,9 @@ class HeartbeatWatch:
     no byte came for `timeout_s` after the first one (before the first beat the
     caller's start timeout rules); `on_closed()` runs once when the pipe reaches
     EOF, i.e. the child exited. Set `timeout_s` at any time (a longer bound while
-    the child loads, say).
+    the child loads, say). A warm spare's pipe is made at its spawn but watched
+    only once it becomes the running child; until then `poll()` reads it (the
+    spare writes one byte when its imports are done).
     """
 
     def __init__(self, timeout_s: float) -> None:
@@ -66,10 +68,22 @@ class HeartbeatWatch:
             self.child_fd = -1
 
     def watch(self, on_silent: Callable[[float], None], on_closed: Callable[[], None] | None = None) -> None:
+        self.last_beat = None  # silence counts from the first beat after this (a spare may have waited long)
         self._loop = asyncio.get_running_loop()
         self._on_silent, self._on_closed = on_silent, on_closed
         self._loop.add_reader(self._read_fd, self._drain)
         self._arm()
+
+    def poll(self) -> bool:
+        """Before watch(): read what arrived without the event loop; True once any byte came."""
+        if self._loop is None:
+            self._drain()
+        return self.last_beat is not None
+
+    @property
+    def closed(self) -> bool:
+        """Closed, or the pipe reached EOF (the child exited): it can no longer be watched."""
+        return self._done
 
     @property
     def silence_s(self) -> float:

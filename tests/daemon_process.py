@@ -11,14 +11,18 @@ from pathlib import Path
 
 from loraplex.ipc.client import Client, LoraplexError
 
+SPARES = {"LORAPLEX_SERVER_SPARE_CHILDREN": "true"}  # server.spare_children, off by default in tests
+
 
 class DaemonProcess:
     def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.runtime_dir = root / "rt"
         self.state_dir = root / "state"
         self.log_path = root / "daemon.log"
-        self.env = {**os.environ, "LORAPLEX_RUNTIME_DIR": str(self.runtime_dir),
-                    "LORAPLEX_STATE_DIR": str(self.state_dir), **(env or {})}
+        # Warm spares cost each daemon ~4 CPU-seconds of imports; the tests of recovery ask for them (SPARES).
+        self.env = {"LORAPLEX_SERVER_SPARE_CHILDREN": "false", **os.environ,
+                    "LORAPLEX_RUNTIME_DIR": str(self.runtime_dir), "LORAPLEX_STATE_DIR": str(self.state_dir),
+                    **(env or {})}
         self.args = ["--num-pages", "600", "--max-num-seqs", "16", *args]
         self.proc: subprocess.Popen | None = None
 

@@ -1,8 +1,8 @@
 """The cache manager as a real process (`loraplex-cache-manager`) with a host
 store smaller than all registered adapters: requests cycling through every
 adapter come back exactly as the offline API computes them while the host tier
-evicts and reloads from disk, and a SIGKILLed cache manager is restarted
-without losing requests or leaking shared memory."""
+evicts and reloads from disk, and a SIGKILLed or SIGSTOPped (heartbeat) cache manager is
+restarted without losing requests or leaking shared memory."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +17,7 @@ import torch
 from loraplex.gpu_engine import LLM, SamplingParams
 from loraplex.ipc.client import AsyncClient
 from loraplex.ipc.shm import SEGMENT_PREFIX, SHM_DIR
-from tests.daemon_process import DaemonProcess
+from tests.daemon_process import SPARES, DaemonProcess
 
 MAX_TOKENS = 4
 # The demo adapters take ~6.4 MB in the store (float32); 3.5 MB holds the largest
@@ -52,7 +52,7 @@ def reference(demo, names):
 def daemon(demo, tmp_path_factory):
     flags = [f"--adapter={name}={path}" for name, path in demo.adapters.items()]
     proc = DaemonProcess(tmp_path_factory.mktemp("cachemgr"), "--model", str(demo.model_dir), *flags,
-                         "--host-store-bytes", str(HOST_STORE_BYTES), "--max-num-seqs", "4").start()
+                         "--host-store-bytes", str(HOST_STORE_BYTES), "--max-num-seqs", "4", env=SPARES).start()
     yield proc
     assert proc.stop() == 0, proc.log()
     left = [p for p in Path(SHM_DIR).glob(f"{SEGMENT_PREFIX.lstrip('/')}{proc.instance}-*")]
@@ -112,4 +112,31 @@ def test_a_killed_cache_manager_is_restarted_and_requests_complete(daemon, refer
         assert time.monotonic() < deadline, now
         time.sleep(0.2)
     assert now["restarts"] == tier["restarts"] + 1 and now["starts"] == tier["starts"] + 1, now
+    assert asyncio.run(_generate(daemon, prompts, adapters, concurrent=False)) == expected
+
+
+def test_a_stopped_cache_manager_mid_load_is_replaced_by_heartbeat_and_requests_complete(daemon, reference):
+    """SIGSTOP: the process lives but a load order sent to it never returns; its silent heartbeat
+    gets it killed and replaced (by its warm spare), and the held requests complete exactly."""
+    prompts, adapters, expected = reference
+    tier = _stats(daemon)["host_tier"]
+    on_disk = [i for i, a in enumerate(adapters) if a not in tier["resident"]]
+    assert on_disk, tier  # the store cannot hold them all: some request needs a load from disk
+
+    async def run() -> list[list[int]]:
+        os.kill(tier["pid"], signal.SIGSTOP)  # before the requests: their disk loads land on a stopped process
+        return await _generate(daemon, prompts, adapters, concurrent=True)
+
+    try:
+        started = time.monotonic()
+        assert asyncio.run(run()) == expected
+        took = time.monotonic() - started
+    finally:
+        try:
+            os.kill(tier["pid"], signal.SIGKILL)  # cleanup only: the daemon has killed it already
+        except ProcessLookupError:
+            pass
+    now = _stats(daemon)["host_tier"]
+    assert now["pid"] != tier["pid"] and now["alive"] and now["restarts"] == tier["restarts"] + 1, now
+    assert "no heartbeat" in daemon.log() and took < 30, took
     assert asyncio.run(_generate(daemon, prompts, adapters, concurrent=False)) == expected

@@ -238,7 +238,9 @@ def test_engine_killed_mid_stream_is_recomputed_without_loss_or_duplicates(daemo
     with daemon.client() as client:
         reference = client.generate([4, 5, 6], max_tokens=40, ignore_eos=True, temperature=0.9, seed=77,
                                     timeout=120)
-        pid = client.stats()["engine"]["pid"]
+        engine = client.stats()["engine"]
+        pid = engine["pid"]
+        assert engine["cuda_graphs"] is False and engine["graph_buckets"] == []  # CPU: decode runs eagerly
         stream = client.stream([4, 5, 6], max_tokens=40, ignore_eos=True, temperature=0.9, seed=77, timeout=120)
         chunks = []
         for chunk in stream:

@@ -18,7 +18,7 @@ import pytest
 
 from loraplex.gpu_engine import LLM, SamplingParams
 from loraplex.ipc.client import LoraplexError
-from tests.daemon_process import DaemonProcess
+from tests.daemon_process import SPARES, DaemonProcess
 
 LONG_PROMPT = [3 + (7 * i) % 500 for i in range(300)]  # a cold adapter + throttled load: a long prefill
 DECODE_PROMPT = [4, 5, 6]
@@ -122,7 +122,8 @@ def offline(demo):
 def daemon(demo, tmp_path_factory):
     """One daemon shared by the engine fault tests; faults are armed through a file."""
     root = tmp_path_factory.mktemp("faults")
-    proc = DaemonProcess(root, *_model_args(demo), env={**THROTTLE, "LORAPLEX_FAULTS": f"file={root / 'fault'}"})
+    proc = DaemonProcess(root, *_model_args(demo),
+                         env={**THROTTLE, **SPARES, "LORAPLEX_FAULTS": f"file={root / 'fault'}"})
     proc.fault_file = root / "fault"
     proc.start()
     yield proc
@@ -279,7 +280,7 @@ def test_out_of_memory_of_a_lone_request_fails_it_with_a_typed_error(daemon, off
 def assisted(demo, tmp_path_factory):
     """cpu_assist with two workers; the last test of this file kills and restarts it."""
     proc = DaemonProcess(tmp_path_factory.mktemp("assist"), *_model_args(demo), "--adapter-load-mode", "cpu_assist",
-                         "--cpu-workers", "2", env={"LORAPLEX_MODEL_LOAD_THROTTLE_BYTES_S": "2e6"}).start()
+                         "--cpu-workers", "2", env={"LORAPLEX_MODEL_LOAD_THROTTLE_BYTES_S": "2e6", **SPARES}).start()
     yield proc
     for pid in getattr(proc, "stopped", []):
         _reap(pid)
@@ -325,6 +326,7 @@ def test_daemon_sigkill_then_restart_sweeps_and_sigterm_drains(assisted, offline
     directory sweeps the sockets and segments left behind, serves, and drains on SIGTERM."""
     stats = _stats(assisted)
     children = [stats["engine"]["pid"]] + [w["pid"] for w in stats["cpu_assist"]["workers"]]
+    children += [stats["engine"]["spare_pid"]] if stats["engine"]["spare_pid"] else []  # spares die with it too
     instance = assisted.instance
     assert _segments(instance), "cpu_assist should have created shared memory"
     assisted.proc.send_signal(signal.SIGKILL)
@@ -338,8 +340,11 @@ def test_daemon_sigkill_then_restart_sweeps_and_sigterm_drains(assisted, offline
         assert not os.path.exists(f"/dev/shm/{name}") or os.stat(f"/dev/shm/{name}").st_ino != inode, name
     # SIGTERM under load: everything in flight finishes, then exit 0 with nothing left behind.
     prompts = [[9 + i, 10, 11] for i in range(4)]
+    accepted = _stats(assisted)["requests"]
     reqs = [Streamer(assisted, p, adapter="qv-r8" if i % 2 else None, max_tokens=12) for i, p in enumerate(prompts)]
-    _wait(lambda: _stats(assisted)["running"] >= 2, 30, "requests running", interval_s=0.02)
+    # All of them in (a request sent after SIGTERM is refused: draining), at least two still running.
+    _wait(lambda: (s := _stats(assisted))["requests"] >= accepted + len(prompts) and s["running"] >= 2, 30,
+          "requests accepted and running", interval_s=0.02)
     assisted.proc.send_signal(signal.SIGTERM)
     for i, (req, p) in enumerate(zip(reqs, prompts)):
         req.finish().check_exact(offline(p, "qv-r8" if i % 2 else None, 12))
