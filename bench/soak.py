@@ -1,6 +1,7 @@
 """Bounded soak test (issue 10): N clients x M minutes against a real daemon.
 
-Starts `loraplex serve` on the CPU demo model in a private runtime directory
+Starts `loraplex serve` on the random CPU demo model (`ensure_demo_model()`, passed
+with --model/--adapter, whatever LORAPLEX_DEMO says) in a private runtime directory
 (cpu_assist with one CPU worker and cache policy `none` by default, so adapter
 loads, shared-memory exchange and worker hand-offs churn all the time), then runs
 N client threads, each with its own connection (reopened every
@@ -14,7 +15,8 @@ after --warmup-s of load), `end` (idle again, --settle-s after the last request)
 `max`, and `slope_per_min` (least squares over the loaded samples after
 warm-up); plus requests ok / cancelled / failed, the daemon's exit status and the
 segments left after it exits. `--json` prints one JSON object on stdout;
-progress goes to stderr.
+progress goes to stderr. Exit status 1 when any request failed (a soak is a
+correctness check too), or when the daemon did not exit 0.
 """
 from __future__ import annotations
 
@@ -36,7 +38,6 @@ from pathlib import Path
 from loraplex.ipc.client import Client, LoraplexError
 from loraplex.ipc.runtime_dir import instance_id
 
-ADAPTERS = (None, "qv-r8", "attn-r16", "all-r32", "mlp-r64", "rslora-r16", "kdown-r8")
 KINDS = ("generate", "stream", "stream_abandon", "cancel")
 KIND_WEIGHTS = (4, 3, 2, 1)
 METRICS = ("rss_mib", "fds", "threads", "processes", "shm_segments")
@@ -141,9 +142,10 @@ class Tally:
                 self.errors[error] += 1
 
 
-def one_request(client: Client, rng: random.Random, kind: str, max_tokens: int, tally: Tally) -> None:
+def one_request(client: Client, rng: random.Random, kind: str, max_tokens: int, tally: Tally,
+                adapters: tuple[str | None, ...]) -> None:
     prompt = [rng.randrange(3, 500) for _ in range(rng.randint(4, 24))]
-    options = dict(adapter=rng.choice(ADAPTERS), max_tokens=rng.randint(2, max_tokens), temperature=0.8,
+    options = dict(adapter=rng.choice(adapters), max_tokens=rng.randint(2, max_tokens), temperature=0.8,
                    seed=rng.randrange(1 << 30), ignore_eos=True, timeout=120.0)
     try:
         if kind == "generate":
@@ -185,7 +187,7 @@ def client_loop(index: int, runtime_dir: Path, deadline: float, args: argparse.N
                 if client is not None:
                     client.close()
                 client, sent = Client(runtime_dir=runtime_dir), 0
-            one_request(client, rng, rng.choices(KINDS, KIND_WEIGHTS)[0], args.max_tokens, tally)
+            one_request(client, rng, rng.choices(KINDS, KIND_WEIGHTS)[0], args.max_tokens, tally, args.adapter_names)
             sent += 1
     finally:
         if client is not None:
@@ -246,7 +248,14 @@ def summarise(initial: dict, loaded: list[dict], end: dict, warmup_s: float) -> 
 
 
 def run(args: argparse.Namespace) -> dict:
-    serve_args = ["--num-pages", str(args.num_pages), "--max-num-seqs", "16", "--adapter-load-mode", args.load_mode,
+    from loraplex.gpu_engine.demo import ensure_demo_model
+
+    demo = ensure_demo_model()
+    args.adapter_names = (None, *sorted(demo.adapters))  # the base model too
+    model_args = ["--model", str(demo.model_dir)]
+    for name, path in demo.adapters.items():
+        model_args += ["--adapter", f"{name}={path}"]
+    serve_args = [*model_args, "--num-pages", str(args.num_pages), "--max-num-seqs", "16", "--adapter-load-mode", args.load_mode,
                   "--cache-policy", args.cache_policy, *(["--cpu-workers", "1"] if args.load_mode == "cpu_assist" else [])]
     loadavg_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="lpx-soak-") as tmp:
@@ -323,9 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup_s is None:
         args.warmup_s = min(30.0, args.minutes * 60 * 0.2)
     report = run(args)
+    healthy = report["requests"]["failed"] == 0 and report["daemon_exit_status"] == 0
     if args.json:
         print(json.dumps(report))
-        return 0
+        return 0 if healthy else 1
     r = report["requests"]
     print(f"requests: {r['total']} ({r['per_s']}/s): ok {r['ok']}, cancelled {r['cancelled']}, failed {r['failed']} "
           f"{r['errors'] or ''}")
@@ -336,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     for role, m in report["metrics"]["rss_mib_by_role"].items():
         print(f"  rss {role:14} {m['initial']:>5} {m['start']:>9} {m['end']:>9}")
     print(f"daemon exit {report['daemon_exit_status']}, shm segments left {len(report['shm_segments_after_exit'])}")
-    return 0
+    return 0 if healthy else 1
 
 
 if __name__ == "__main__":
