@@ -28,6 +28,20 @@ def _core(sent: list):
     return ServingCore(load_config(None, env={}), engine, send=send), steps
 
 
+def _done(sent: list) -> int:
+    return sum(m.TYPE == "done" for m in sent)
+
+
+async def _started_paused(n: int):
+    """A started core, paused, holding `n` submitted requests; (core, steps seen, messages sent)."""
+    sent: list = []
+    core, steps = _core(sent)
+    await core.start([])
+    core.set_paused(True)
+    await _submit(core, n)
+    return core, steps, sent
+
+
 async def _submit(core: ServingCore, n: int) -> None:
     for i in range(n):
         await core.submit(b"client", GenerateRequest(request_id=f"r{i}", prompt_token_ids=[5, 6, 7 + i],
@@ -36,19 +50,15 @@ async def _submit(core: ServingCore, n: int) -> None:
 
 def test_paused_daemon_queues_and_resume_runs_everything() -> None:
     async def run():
-        sent: list = []
-        core, steps = _core(sent)
-        await core.start([])
-        core.set_paused(True)
-        await _submit(core, 5)
+        core, steps, sent = await _started_paused(5)
         await asyncio.sleep(0.2)
         assert steps == [] and core.snapshot()["waiting"] == 5 and core.snapshot()["paused"] is True
         core.set_paused(False)
         for _ in range(200):
-            if sum(m.TYPE == "done" for m in sent) == 5:
+            if _done(sent) == 5:
                 break
             await asyncio.sleep(0.01)
-        assert sum(m.TYPE == "done" for m in sent) == 5 and steps
+        assert _done(sent) == 5 and steps
         assert core.snapshot()["paused"] is False
         await core.stop()
 
@@ -57,13 +67,9 @@ def test_paused_daemon_queues_and_resume_runs_everything() -> None:
 
 def test_drain_resumes_a_paused_daemon() -> None:
     async def run():
-        sent: list = []
-        core, _ = _core(sent)
-        await core.start([])
-        core.set_paused(True)
-        await _submit(core, 2)
+        core, _, sent = await _started_paused(2)
         assert await core.drain(5.0) is True
-        assert core.paused is False and sum(m.TYPE == "done" for m in sent) == 2
+        assert core.paused is False and _done(sent) == 2
         await core.stop()
 
     asyncio.run(run())

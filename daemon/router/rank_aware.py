@@ -162,11 +162,13 @@ class RankAwareRouter(Router):
         and long ones average the chunks out. σ = 0 (nothing observed) is the plain check."""
         slo = self.slo_ms if request is None or request.slo_ms is None else request.slo_ms
         everyone = engine.num_requests + (request is not None)
-        if after_ms >= slo:
-            return everyone if after_ms > slo or self.spread_k * engine.step_ms_std > 0 else 0
+        if after_ms > slo:
+            return everyone
         spread = self.spread_k * engine.step_ms_std
         if spread <= 0:
             return 0
+        if after_ms == slo:  # no headroom left for any scatter
+            return everyone
         # misses iff remaining tokens < (spread / headroom)²
         shortest_safe = (spread / (slo - after_ms)) ** 2
         own = 0 if request is None else int(max(1, request.max_tokens if request.predicted_output is None
