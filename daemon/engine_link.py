@@ -98,6 +98,7 @@ class EngineLink:
         self.spare_handoffs = 0  # starts that used a spare instead of a cold spawn
         self._spare: _Spare | None = None
         self._spare_task: asyncio.Task | None = None
+        self._exit_watch: tuple[asyncio.subprocess.Process, asyncio.Future] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -252,11 +253,8 @@ class EngineLink:
         if self._sock is None or self.proc is None:
             raise EngineDied("engine is not running")
         recv = asyncio.ensure_future(self._sock.recv())
-        exited = asyncio.ensure_future(self.proc.wait())
-        try:
-            done, _ = await asyncio.wait({recv, exited}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            exited.cancel()
+        done, _ = await asyncio.wait({recv, self._exited(self.proc)}, timeout=timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
         if recv not in done:
             recv.cancel()
             code, hung = self.proc.returncode, self.lost_reason if self._hung else None
@@ -269,6 +267,14 @@ class EngineLink:
         envelope = recv.result()
         self._peer = envelope.identity
         return envelope.message
+
+    def _exited(self, proc: asyncio.subprocess.Process) -> asyncio.Future:
+        """One wait() per child, shared by every order to it. A cancelled proc.wait() leaves its
+        waiter in the process transport until the child exits, so a wait per step (the
+        obvious way) grows the daemon by a future per step for the engine's whole life."""
+        if self._exit_watch is None or self._exit_watch[0] is not proc:
+            self._exit_watch = (proc, asyncio.ensure_future(proc.wait()))
+        return self._exit_watch[1]
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Ask the engine to exit, then make sure it did; close the socket; kill the spare."""

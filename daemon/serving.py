@@ -77,6 +77,7 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
         self._idle = asyncio.Event()
         self._idle.set()
         self._per_client: dict[bytes, int] = {}  # identity -> requests in flight
+        self._deadlines: dict[str, asyncio.TimerHandle] = {}  # request key -> its deadline_ms timer
         self._held: dict[str, list[SeqRequest]] = {}  # adapter being replaced -> requests waiting for it
         self._departed = asyncio.Event()  # set whenever a request leaves
         # The host tier (daemon/serving_host.py): the cache manager process (a CacheManagerLink) owns
@@ -302,7 +303,7 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
         if msg.adapter is not None:
             self.adapters.get(msg.adapter).requests += 1
         if msg.deadline_ms is not None:
-            asyncio.get_running_loop().call_later(msg.deadline_ms / 1e3, self._deadline, key)
+            self._deadlines[key] = asyncio.get_running_loop().call_later(msg.deadline_ms / 1e3, self._deadline, key)
 
     def _prompt_ids(self, msg: GenerateRequest) -> list[int]:
         if msg.prompt is not None:
@@ -340,6 +341,7 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
         self._check_idle()
 
     def _deadline(self, key: str) -> None:
+        self._deadlines.pop(key, None)
         if key in self.requests:
             asyncio.ensure_future(self._fail(key, ErrorCode.TIMEOUT, "the request's deadline passed"))
 
@@ -490,6 +492,9 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
         self._check_idle()
 
     def _abort(self, key: str) -> None:
+        timer = self._deadlines.pop(key, None)
+        if timer is not None:  # a finished request's timer would hold its key until the deadline
+            timer.cancel()
         for slot in self.slots:
             slot.forget(key)
         for name, held in self._held.items():
