@@ -5,7 +5,10 @@ On CUDA the copies run on a dedicated copy stream with one event per group, so
 compute waits on exactly the group it needs, never on the host. On CPU a
 background thread does the copies and sets one threading.Event per group; an
 optional bandwidth throttle (test-only) makes loading span many layers so the
-per-layer CPU/GPU switch is exercised without a GPU.
+per-layer CPU/GPU switch is exercised without a GPU. The throttle models one
+shared link, as the single CUDA copy stream is: each load books the link after
+the loads started before it, so concurrent loads queue instead of each getting
+the whole bandwidth.
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ class AdapterLoader:
         self.copy_stream = torch.cuda.Stream(device=pool.data.device) if self.cuda else None
         self.total_bytes = 0
         self.started_bytes = 0  # bytes of every load started (the link carries them as the groups stream)
+        self._link_free_at = 0.0  # throttled CPU loads: perf_counter time the emulated link is booked until
 
     def start(self, adapter: HostAdapter, resident: ResidentLora, groups: int) -> GroupLoad:
         num_layers = self.pool.data.shape[0]
@@ -69,18 +73,31 @@ class AdapterLoader:
         for g, part in enumerate(parts):
             for layer in part:
                 load.group_of_layer[layer] = g
-        self.started_bytes += sum((a.numel() + adapter.b[layer][m].numel()) * a.element_size()
-                                  for layer in range(num_layers) for m, a in adapter.a[layer].items())
+        group_bytes = [sum((a.numel() + adapter.b[layer][m].numel()) * a.element_size()
+                           for layer in part for m, a in adapter.a[layer].items()) for part in parts]
+        self.started_bytes += sum(group_bytes)
         if self.cuda:
             self._start_cuda(adapter, resident, load)
         else:
             load.ready = [threading.Event() for _ in parts]
             if self.throttle is None and len(parts) == 1:
-                self._copy_cpu(adapter, resident, load)  # nothing to overlap with: copy inline
+                self._copy_cpu(adapter, resident, load, None)  # nothing to overlap with: copy inline
             else:
-                threading.Thread(target=self._copy_cpu, args=(adapter, resident, load), daemon=True,
+                arrivals = self._book_link(group_bytes) if self.throttle else None
+                threading.Thread(target=self._copy_cpu, args=(adapter, resident, load, arrivals), daemon=True,
                                  name=f"load-{adapter.name}").start()
         return load
+
+    def _book_link(self, group_bytes: list[int]) -> list[float]:
+        """Reserve the emulated link for one load's groups, after every load booked before it;
+        returns the perf_counter time each group has fully arrived."""
+        at = max(time.perf_counter(), self._link_free_at)
+        arrivals = []
+        for nbytes in group_bytes:
+            at += nbytes / self.throttle
+            arrivals.append(at)
+        self._link_free_at = at
+        return arrivals
 
     def _start_cuda(self, adapter: HostAdapter, resident: ResidentLora, load: GroupLoad) -> None:
         # The copy stream must not overtake the compute that last used these pages (evicted owner).
@@ -93,14 +110,13 @@ class AdapterLoader:
                 load.ready.append(event)
         self.total_bytes += load.bytes_copied
 
-    def _copy_cpu(self, adapter: HostAdapter, resident: ResidentLora, load: GroupLoad) -> None:
+    def _copy_cpu(self, adapter: HostAdapter, resident: ResidentLora, load: GroupLoad,
+                  arrivals: list[float] | None) -> None:
         try:
             for g, part in enumerate(load.groups):
-                started = time.perf_counter()
-                copied = copy_adapter_layers(self.pool, adapter, resident, part)
-                load.bytes_copied += copied
-                if self.throttle:
-                    remaining = copied / self.throttle - (time.perf_counter() - started)
+                load.bytes_copied += copy_adapter_layers(self.pool, adapter, resident, part)
+                if arrivals is not None:
+                    remaining = arrivals[g] - time.perf_counter()
                     if remaining > 0:
                         time.sleep(remaining)
                 load.ready[g].set()
