@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
 from loraplex.daemon.config import LoraplexConfig
@@ -85,7 +86,7 @@ class EngineSlot:
         link = 0.0 if self.load_mode == "cached" else hello.link_bytes_per_s
         return engine_state(self.index, self.scheduler, rank_of=rank_of, bytes_of=bytes_of, max_num_seqs=max_seqs,
                             total_pages=hello.num_pages, tokens_per_s=self.tokens_per_s, load_bytes_per_s=link,
-                            healthy=self.healthy, steps=self.step_times)
+                            healthy=self.healthy, steps=self.step_times, now=time.monotonic())
 
     # ---- requests ---------------------------------------------------------------------------
     def enqueue(self, seq: SeqRequest) -> None:
@@ -122,12 +123,12 @@ class EngineSlot:
         pending, self.pending, self.carried = self.pending, [], []
         return seqs, pending
 
-    def observe_step(self, tokens: int, seconds: float, lora_ranks: list[int] | None = None) -> None:
-        """A step computed `tokens` in `seconds`; its rows ran LoRA at `lora_ranks`."""
+    def observe_step(self, tokens: int, seconds: float, lora_ranks: list[int] | None = None, rows: int = 0) -> None:
+        """A step computed `tokens` over `rows` rows in `seconds`; its rows ran LoRA at `lora_ranks`."""
         self.tokens += tokens
         self.busy_s += seconds
         self.steps += 1
-        self.step_times.observe(seconds * 1e3, lora_ranks or ())
+        self.step_times.observe(seconds * 1e3, lora_ranks or (), max(0, tokens - rows) if rows else 0)
 
     # ---- engine bring-up ----------------------------------------------------------------------
     async def bring_up(self, adapters: AdapterTable, policy: str, cache_policy: str,

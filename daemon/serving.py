@@ -407,7 +407,7 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
                 await self._apply(sched, plan, reply)
                 slot.observe_step(sum(len(r.token_ids) for r in plan.rows), returned - started,
                                   [self._rank_of(r.adapter) for r in plan.rows
-                                   if r.adapter is not None and r.adapter != plan.merged_adapter])
+                                   if r.adapter is not None and r.adapter != plan.merged_adapter], len(plan.rows))
                 self.stats.step(plan, reply.result, (returned - started) * 1e3,
                                 schedule_ms + (time.perf_counter() - returned) * 1e3)
                 if self.cpu is not None:

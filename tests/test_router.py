@@ -276,3 +276,87 @@ def test_step_times_average_the_lora_work_of_the_same_steps() -> None:
     assert math.isclose(steps.bgmv_units, 64.0, rel_tol=1e-3) and math.isclose(steps.mbgmv_units, 64.0, rel_tol=1e-3)
     steps.observe(10.0, [])  # a base-model step: no LoRA work
     assert steps.bgmv_units < 64.0
+
+
+def test_rank_aware_counts_the_slack_or_debt_a_running_request_already_has() -> None:
+    # TPT is the mean of all of a request's steps: 100 steps done and 100 to go, SLO 22 ms.
+    profile = PerfProfile(bgmv=KernelCost(0.05, 4.0))
+    router = make_router("rank_aware", profile=profile, kernel="bgmv", slo_ms=22.0, spread_k=0.0)
+    ahead = EngineRequest("ahead", "big", 64, remaining_tokens=100, decoded_steps=100, decode_ms=1800.0)  # 18 ms so far
+    behind = EngineRequest("behind", "big", 64, remaining_tokens=100, decoded_steps=100, decode_ms=2500.0)  # 25 ms
+    engine = EngineState(0, running=(ahead, behind))
+    # Steps of 23 ms break the SLO for a fresh request, but `ahead` ends at (1800 + 2300)/200 = 20.5 ms;
+    # steps of 21 ms are within it, but `behind` ends at (2500 + 2100)/200 = 23 ms.
+    assert router.violations(None, dataclasses.replace(engine, running=(ahead,)), 23.0) == 0
+    assert router.violations(None, dataclasses.replace(engine, running=(behind,)), 21.0) == 1
+    assert router.violations(None, dataclasses.replace(engine, running=(behind,)), 18.9) == 0  # (2500+1890)/200 < 22
+    # Without history both are judged by the step alone.
+    fresh = tuple(dataclasses.replace(r, decoded_steps=0, decode_ms=0.0) for r in (ahead, behind))
+    assert router.violations(None, dataclasses.replace(engine, running=fresh), 23.0) == 2
+
+
+def test_rank_aware_charges_a_long_prompt_to_the_requests_whose_steps_it_slows() -> None:
+    # Both engines run two rank-64 requests; with a rank-64 newcomer a step takes 13.6 ms, 2.4 ms
+    # under the SLO. On A they have 10 tokens left, on B 400. A 1,000-token prompt at 0.1 ms a
+    # token puts 100 ms on one step of each: +10 ms per token on A (misses), +0.25 on B (fits).
+    profile = PerfProfile(bgmv=KernelCost(0.05, 4.0))
+    router = make_router("rank_aware", profile=profile, kernel="bgmv", slo_ms=16.0, spread_k=0.0)
+
+    def engine(i: int, left: int) -> EngineState:
+        return EngineState(i, running=tuple(EngineRequest(f"{i}-{k}", "big", 64, remaining_tokens=left)
+                                            for k in range(2)), prefill_ms_per_token=0.1)
+
+    near_done, long_lived = engine(0, 10), engine(1, 400)
+    long_prompt = RequestInfo("p", "big", rank=64, prompt_len=1000, max_tokens=50)
+    short_prompt = dataclasses.replace(long_prompt, prompt_len=10)
+    assert router.cost(long_prompt, near_done) > 1000.0 and router.cost(long_prompt, long_lived) < 10.0
+    assert router.choose(long_prompt, [near_done, long_lived]) == 1
+    assert router.cost(short_prompt, near_done) == router.cost(short_prompt, long_lived) < 10.0
+    # An engine whose prefill cost is unknown (nothing observed) charges nothing for it.
+    assert router.cost(long_prompt, dataclasses.replace(near_done, prefill_ms_per_token=0.0)) < 10.0
+
+
+def test_step_times_learn_what_a_prefill_token_adds_to_a_step() -> None:
+    import random
+
+    from loraplex.daemon.router.snapshot import StepTimes
+
+    rng = random.Random(3)
+    steps = StepTimes()
+    assert steps.ms_per_prefill_token == 0.0
+    for _ in range(3000):
+        extra = rng.choice((0, 0, 0, 0, 50, 300, 900))
+        steps.observe(20.0 + 0.08 * extra + rng.gauss(0.0, 1.0), [16], extra)
+    assert 0.07 < steps.ms_per_prefill_token < 0.09
+    decode_only = StepTimes()
+    for _ in range(200):
+        decode_only.observe(20.0 + rng.gauss(0.0, 1.0), [16], 0)
+    assert decode_only.ms_per_prefill_token == 0.0  # no prefill seen: no slope to fit
+
+
+def test_engine_snapshot_carries_each_running_request_tpt_so_far() -> None:
+    from loraplex.daemon.memory.allocator import PageAllocator
+    from loraplex.daemon.memory.geometry import PageGeometry
+    from loraplex.daemon.router.snapshot import engine_state
+    from loraplex.daemon.scheduler.config import SchedulerConfig
+    from loraplex.daemon.scheduler.factory import make_scheduler
+    from loraplex.daemon.scheduler.sequence import SeqRequest
+    from loraplex.ipc.engine_plan import SamplingSpec
+
+    sched = make_scheduler("fcfs", SchedulerConfig(max_num_seqs=4, max_batched_tokens=64, max_model_len=128),
+                           PageGeometry(kv_dim=1, page_tokens=4, max_row_width=0), PageAllocator(64), lambda _: 1)
+    sched.add(SeqRequest(request_id="r", prompt_ids=[1, 2, 3], adapter=None, sampling=SamplingSpec(temperature=0.0),
+                         max_tokens=20, ignore_eos=True))
+    sched.add(SeqRequest(request_id="q", prompt_ids=[1, 2, 3], adapter=None, sampling=SamplingSpec(temperature=0.0),
+                         max_tokens=20, ignore_eos=True))
+    seq = sched.running[0] if sched.running else sched.waiting[0]
+    seq.first_token_at, seq.output_ids = 100.0, [7, 7, 7, 7, 7]  # 4 decode steps since the first token
+
+    def snap(now):
+        return engine_state(0, sched, rank_of=lambda _: 0, bytes_of=lambda *_: 0, max_num_seqs=4, total_pages=64,
+                            tokens_per_s=1.0, load_bytes_per_s=0.0, now=now)
+
+    views = {r.request_id: r for r in (*snap(100.1).running, *snap(100.1).waiting)}
+    assert views["r"].decoded_steps == 4 and math.isclose(views["r"].decode_ms, 100.0)
+    assert views["q"].decoded_steps == 0 and views["q"].decode_ms == 0.0  # not decoding yet
+    assert all(r.decoded_steps == 0 for r in (*snap(None).running, *snap(None).waiting))

@@ -19,14 +19,17 @@ on instance 1, 16 rank-64 on instance 2, SLO 36 ms, a new rank-64 request) the
 SLO is binding under both kernels — BGMV: 40.0 ms on instance 1 (breaks it)
 vs 28.5 ms on instance 2; MBGMV: 29.0 ms vs 36.6 ms (breaks it).
 
-Two corrections for real engines, both from the steps each engine reports
-(EngineState.step_ms, step_ms_std, step_*_units): the prediction adds the step
-time the model does not explain on that engine (observed minus predicted for
-the same steps: prefill chunks share decode steps under continuous batching),
-and the SLO check leaves headroom for the scatter of step times —
-a request's TPT is the mean of its remaining steps, so one with n tokens to go
-misses when predicted + k·σ/√n > SLO. Only the misses a placement causes are
-charged.
+Corrections for real engines, from the steps each engine reports (EngineState.step_ms,
+step_ms_std, step_*_units, prefill_ms_per_token) and its requests' progress:
+- the prediction adds the step time the model does not explain on that engine
+  (observed minus predicted for the same steps: prefill chunks share decode steps
+  under continuous batching);
+- the SLO check judges each request by the mean of all its steps: those it ran
+  (a request ahead of the SLO can take slower steps, one behind needs faster ones)
+  and its n remaining ones, with headroom k·σ/√n for their scatter;
+- the new request's own prefill lands on one step of every running request, so
+  a long prompt is charged to the engines whose requests it would push over.
+Only the misses a placement causes are charged.
 Profile a real engine (bench) and pass its file for production use.
 """
 from __future__ import annotations
@@ -150,32 +153,41 @@ class RankAwareRouter(Router):
         before = self.profile.step_ms(self.kernel, engine.batch_ranks()) + self.unmodelled_ms(engine)
         after = self.predicted_ms(request, engine)
         # Only the misses this placement causes: requests already missing at `before` (an engine
-        # seen slower than the model) cost nothing more here than elsewhere.
-        caused = self.violations(request, engine, after) - self.violations(None, engine, before)
+        # seen slower than the model) cost nothing more here than elsewhere. The running ones
+        # also take the new request's prefill on one of their steps.
+        prefill_ms = engine.prefill_ms_per_token * request.prompt_len
+        caused = self.violations(request, engine, after, prefill_ms) - self.violations(None, engine, before)
         return after - before + self.penalty_ms * max(0, caused)
 
-    def violations(self, request: RequestInfo | None, engine: EngineState, after_ms: float) -> int:
+    def violations(self, request: RequestInfo | None, engine: EngineState, after_ms: float,
+                   prefill_ms: float = 0.0) -> int:
         """How many requests of the batch, `request` included (when given), would miss the TPT SLO with steps of
-        `after_ms`. A request's TPT is the mean of its remaining steps, and those scatter around the
-        mean (prefill chunks of later arrivals land on some of them): it misses when
-        after + k·σ_step/√(its remaining tokens) exceeds the SLO, so short requests need headroom
-        and long ones average the chunks out. σ = 0 (nothing observed) is the plain check."""
+        `after_ms`. A request's TPT is the mean of all its steps: those it ran (decode_ms over
+        decoded_steps) and its n remaining ones, which scatter around the prediction (prefill
+        chunks of later arrivals land on some of them). It misses when
+            decode_ms + n·(after + k·σ_step/√n) > SLO·(decoded_steps + n),
+        so short requests need headroom, long ones average the chunks out, and one that banked
+        slack can absorb a slower step. σ = 0 (nothing observed) and no history: after > SLO.
+        prefill_ms: one step of every running request is that much longer (a new request's prefill)."""
         slo = self.slo_ms if request is None or request.slo_ms is None else request.slo_ms
-        everyone = engine.num_requests + (request is not None)
-        if after_ms > slo:
-            return everyone
         spread = self.spread_k * engine.step_ms_std
-        if spread <= 0:
-            return 0
-        if after_ms == slo:  # no headroom left for any scatter
-            return everyone
-        # misses iff remaining tokens < (spread / headroom)²
-        shortest_safe = (spread / (slo - after_ms)) ** 2
-        own = 0 if request is None else int(max(1, request.max_tokens if request.predicted_output is None
-                                                    else request.predicted_output) < shortest_safe)
-        return own + sum(1 for r in (*engine.running, *engine.waiting) if max(1, r.remaining_tokens) < shortest_safe)
+        own = 0
+        if request is not None:
+            out = request.max_tokens if request.predicted_output is None else request.predicted_output
+            own = int(_misses(after_ms, spread, slo, max(1, out), 0, 0.0))
+        running = sum(_misses(after_ms, spread, slo, max(1, r.remaining_tokens), r.decoded_steps,
+                              r.decode_ms + prefill_ms) for r in engine.running)
+        waiting = sum(_misses(after_ms, spread, slo, max(1, r.remaining_tokens), r.decoded_steps, r.decode_ms)
+                      for r in engine.waiting)
+        return own + running + waiting
 
     def choose(self, request: RequestInfo, engines: Seq[EngineState]) -> int:
         return min(healthy(engines), key=lambda i: (self.cost(request, engines[i]),
                                                      self.predicted_ms(request, engines[i]),
                                                      engines[i].num_requests, i))
+
+
+def _misses(step_ms: float, spread_ms: float, slo_ms: float, remaining: int, decoded: int, decode_ms: float) -> bool:
+    """Whether a request ends above the SLO: `decoded` steps took `decode_ms`, `remaining` more
+    take `step_ms` each, scattered by spread_ms/√remaining on their mean."""
+    return decode_ms + remaining * step_ms + spread_ms * math.sqrt(remaining) > slo_ms * (decoded + remaining)

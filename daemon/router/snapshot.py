@@ -14,7 +14,11 @@ from typing import Callable
 from loraplex.daemon.router.state import EngineRequest, EngineState, lora_units
 
 
-STEP_EMA = 0.2  # weight of the newest step in the observed step-time averages
+# Weight of the newest step in the observed step-time averages. Fast on purpose: the time the
+# PERF model does not explain is mostly the prefill chunks in flight now, and routing away from
+# an engine busy with a long prompt is what keeps its decoding requests within the SLO
+# (the toppings-cluster sweep of this weight is in bench/RESULTS.md).
+STEP_EMA = 0.4
 # The spread is taken over a longer memory (~1/SPREAD_EMA steps): prefill chunks land on a few
 # steps in ten, and a five-step window would see most of them as a change of level.
 SPREAD_EMA = 0.05
@@ -24,28 +28,47 @@ SPREAD_EMA = 0.05
 class StepTimes:
     """Observed steps of one engine, for rank_aware: moving averages of the step time and of
     the same steps' LoRA work in each kernel's cost units (so the router can tell how much of
-    the time its PERF model does not explain: prefill chunks, sampling), and an exponentially
-    weighted standard deviation of step times (its SLO margin). The first step starts them."""
+    the time its PERF model does not explain: prefill chunks, sampling), an exponentially
+    weighted standard deviation of step times (its SLO margin), and the step time one more
+    prefill token adds (an exponentially weighted regression of step time on the tokens a step
+    runs beyond one per row). The first step starts them."""
 
     mean_ms: float = 0.0
     bgmv_units: float = 0.0
     mbgmv_units: float = 0.0
     _slow_mean_ms: float = 0.0
     _var_ms2: float = 0.0
+    _extra_mean: float = 0.0
+    _extra_var: float = 0.0
+    _cov: float = 0.0  # of step time and extra tokens
 
-    def observe(self, step_ms: float, lora_ranks: Sequence[int] = ()) -> None:
-        """One step of `step_ms` whose rows ran LoRA at `lora_ranks` (merged or base rows left out)."""
+    def observe(self, step_ms: float, lora_ranks: Sequence[int] = (), extra_tokens: int = 0) -> None:
+        """One step of `step_ms` whose rows ran LoRA at `lora_ranks` (merged or base rows left out)
+        and `extra_tokens` tokens beyond one per row (prefill)."""
         bgmv, mbgmv = lora_units("bgmv", lora_ranks), lora_units("mbgmv", lora_ranks)
         if self.mean_ms <= 0:
             self.mean_ms = self._slow_mean_ms = step_ms
             self.bgmv_units, self.mbgmv_units = bgmv, mbgmv
+            self._extra_mean = extra_tokens
             return
         self.mean_ms += STEP_EMA * (step_ms - self.mean_ms)
         self.bgmv_units += STEP_EMA * (bgmv - self.bgmv_units)
         self.mbgmv_units += STEP_EMA * (mbgmv - self.mbgmv_units)
         diff = step_ms - self._slow_mean_ms
+        extra = extra_tokens - self._extra_mean
         self._slow_mean_ms += SPREAD_EMA * diff
+        self._extra_mean += SPREAD_EMA * extra
         self._var_ms2 = (1 - SPREAD_EMA) * (self._var_ms2 + SPREAD_EMA * diff * diff)
+        self._extra_var = (1 - SPREAD_EMA) * (self._extra_var + SPREAD_EMA * extra * extra)
+        self._cov = (1 - SPREAD_EMA) * (self._cov + SPREAD_EMA * diff * extra)
+
+    @property
+    def ms_per_prefill_token(self) -> float:
+        """Step time one more prefill token adds (slope of step time on extra tokens; 0 until
+        steps with and without prefill were both seen)."""
+        if self._extra_var <= 1e-9:
+            return 0.0
+        return max(0.0, self._cov / self._extra_var)
 
     @property
     def std_ms(self) -> float:
@@ -59,15 +82,19 @@ def remaining_tokens(seq) -> int:
 
 def engine_state(index: int, scheduler, *, rank_of: Callable[[str], int], bytes_of: Callable[[str, int], int],
                  max_num_seqs: int, total_pages: int, tokens_per_s: float, load_bytes_per_s: float,
-                 healthy: bool = True, steps: StepTimes | None = None) -> EngineState:
+                 healthy: bool = True, steps: StepTimes | None = None, now: float | None = None) -> EngineState:
     """`scheduler`: a daemon.scheduler BaseScheduler; `rank_of(adapter)`; `bytes_of(adapter, rank)`:
-    bytes an engine without the adapter must load."""
+    bytes an engine without the adapter must load; `now`: the scheduler's clock, for each running
+    request's TPT so far (None: left out)."""
 
     def view(seq) -> EngineRequest:
         adapter = seq.req.adapter
         rank = 0 if adapter is None else rank_of(adapter)
+        decoded, decode_ms = 0, 0.0
+        if now is not None and seq.first_token_at is not None and len(seq.output_ids) > 1:
+            decoded, decode_ms = len(seq.output_ids) - 1, max(0.0, now - seq.first_token_at) * 1e3
         return EngineRequest(seq.request_id, adapter, rank, remaining_tokens(seq),
-                             0 if adapter is None else bytes_of(adapter, rank))
+                             0 if adapter is None else bytes_of(adapter, rank), decoded, decode_ms)
 
     return EngineState(engine_id=index, running=tuple(view(s) for s in scheduler.running),
                        waiting=tuple(view(s) for s in scheduler.waiting),
@@ -77,4 +104,5 @@ def engine_state(index: int, scheduler, *, rank_of: Callable[[str], int], bytes_
                        step_ms=0.0 if steps is None else steps.mean_ms,
                        step_ms_std=0.0 if steps is None else steps.std_ms,
                        step_bgmv_units=0.0 if steps is None else steps.bgmv_units,
-                       step_mbgmv_units=0.0 if steps is None else steps.mbgmv_units)
+                       step_mbgmv_units=0.0 if steps is None else steps.mbgmv_units,
+                       prefill_ms_per_token=0.0 if steps is None else steps.ms_per_prefill_token)

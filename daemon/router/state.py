@@ -48,6 +48,11 @@ class EngineRequest:
     rank: int = 0
     remaining_tokens: int = 0  # prompt tokens not yet computed + predicted output tokens still to come
     adapter_bytes: int = 0
+    # Its TPT so far: decode steps since its first token, and the milliseconds they took (0, 0:
+    # not decoding yet). A request that has banked slack can take slower steps, one that ran
+    # late needs faster ones: its TPT is the mean over all its steps, not the remaining ones.
+    decoded_steps: int = 0
+    decode_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +74,7 @@ class EngineState:
     # LoRA work of the same observed steps (moving averages, in lora_units of each kernel)
     step_bgmv_units: float = 0.0
     step_mbgmv_units: float = 0.0
+    prefill_ms_per_token: float = 0.0  # what one more prefill token adds to a step (observed); 0: unknown
 
     @property
     def num_requests(self) -> int:

@@ -242,7 +242,7 @@ class Simulator:
                             bytes_of=lambda adapter, rank: p.adapter_bytes(rank), max_num_seqs=p.max_num_seqs,
                             total_pages=p.pool_pages, tokens_per_s=rate,
                             load_bytes_per_s=0.0 if self.config.mode == "cached" else p.pcie_bytes_per_s,
-                            steps=eng.step_times)
+                            steps=eng.step_times, now=self.clock.now)
 
     # ---- one engine step ---------------------------------------------------------------------
     def _start(self, eng: _Engine) -> None:
@@ -289,7 +289,7 @@ class Simulator:
             start = wait_until if mode == "on_demand" else now
         eng.plan, eng.started, eng.end = plan, now, start + step_s
         eng.busy_s += eng.end - now
-        eng.step_times.observe(step_s * 1e3, ranks)
+        eng.step_times.observe(step_s * 1e3, ranks, plan.num_tokens - len(plan.rows))
         eng.tokens += plan.num_tokens
         self.steps += 1
         self.decisions.append(Decision(eng.index, plan.step_id, now,
