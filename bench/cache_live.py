@@ -7,7 +7,8 @@ per policy starts `loraplex serve` in a private runtime dir (on_demand loads) wi
 of --num-pages pages: room for the KV of a full batch plus --pool-fraction of all adapter
 pages, so a popular working set fits but not every adapter. The engine's test-only load
 throttle (model.load_throttle_bytes_s) makes a cold load cost tens of ms, like a PCIe copy
-next to a 7B step. Each load in --rates replays the same seeded Poisson/Zipf request
+next to a 7B step; it models one shared link, so concurrent loads queue as they do on the
+GPU's copy stream. Each load in --rates replays the same seeded Poisson/Zipf request
 sequence (daemon.sim.workload) through the client library, open loop and streamed
 (daemon.sim.loadgen); loads run in increasing order on the same daemon. --rounds repeats
 it all with the policies interleaved, fresh daemons each round.

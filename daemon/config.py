@@ -130,7 +130,8 @@ class ModelSettings(_Section):
     exchange_max_tokens: int = field(default=2048, metadata=_help(
         "Most prefill tokens per step that CPU workers can take (cpu_assist)."))
     load_throttle_bytes_s: float | None = field(default=None, metadata=_help(
-        "Test-only: cap the adapter copy rate on CPU hosts so loads span many layers.", "4e6"))
+        "Test-only: cap the adapter copy rate on CPU hosts so loads span many layers (one link that "
+        "concurrent loads share, as on a GPU's copy stream).", "4e6"))
     cuda_graphs: bool = field(default=True, metadata=_help(
         "Replay decode steps of up to scheduler.max_num_seqs rows as captured CUDA graphs (on CUDA with the "
         "triton LoRA backend; elsewhere decode runs eagerly)."))
