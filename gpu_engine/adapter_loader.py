@@ -2,9 +2,8 @@
 (Toppings §4.1), each group signalling when it has arrived.
 
 On CUDA the copies run on a dedicated copy stream with one event per group, so
-compute waits on exactly the group it needs, never on the host. On CPU one
-background copy thread (the stream's stand-in: loads run in the order they
-start) does the copies and sets one threading.Event per group; an
+compute waits on exactly the group it needs, never on the host. On CPU a
+background thread does the copies and sets one threading.Event per group; an
 optional bandwidth throttle (test-only) makes loading span many layers so the
 per-layer CPU/GPU switch is exercised without a GPU. The throttle models one
 shared link, as the single CUDA copy stream is: each load books the link after
@@ -13,7 +12,6 @@ the whole bandwidth.
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -67,9 +65,6 @@ class AdapterLoader:
         self.total_bytes = 0
         self.started_bytes = 0  # bytes of every load started (the link carries them as the groups stream)
         self._link_free_at = 0.0  # throttled CPU loads: perf_counter time the emulated link is booked until
-        # CPU: one long-lived copy thread, fed in start order. A thread per load also worked, but
-        # each new thread can take a fresh malloc arena, and the engine's RSS crept up with them.
-        self._copies: queue.SimpleQueue | None = None
 
     def start(self, adapter: HostAdapter, resident: ResidentLora, groups: int) -> GroupLoad:
         num_layers = self.pool.data.shape[0]
@@ -89,18 +84,9 @@ class AdapterLoader:
                 self._copy_cpu(adapter, resident, load, None)  # nothing to overlap with: copy inline
             else:
                 arrivals = self._book_link(group_bytes) if self.throttle else None
-                self._copy_queue().put((adapter, resident, load, arrivals))
+                threading.Thread(target=self._copy_cpu, args=(adapter, resident, load, arrivals), daemon=True,
+                                 name=f"load-{adapter.name}").start()
         return load
-
-    def _copy_queue(self) -> queue.SimpleQueue:
-        if self._copies is None:
-            self._copies = queue.SimpleQueue()
-            threading.Thread(target=self._copy_loop, args=(self._copies,), daemon=True, name="adapter-copy").start()
-        return self._copies
-
-    def _copy_loop(self, copies: queue.SimpleQueue) -> None:
-        while True:
-            self._copy_cpu(*copies.get())
 
     def _book_link(self, group_bytes: list[int]) -> list[float]:
         """Reserve the emulated link for one load's groups, after every load booked before it;

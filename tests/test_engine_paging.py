@@ -2,9 +2,6 @@
 and preemption or chunked prefill never change what is generated."""
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 import torch
 
@@ -131,23 +128,7 @@ def test_layer_group_loading_waits_per_group_and_changes_nothing(demo, reference
     prompts, first = reference
     # ~2 MB/s: the rank-32/64 adapters take a noticeable time, spread over 4 groups of one layer each.
     llm = _engine(demo, num_pages=512, page_tokens=4, load_groups=4, load_throttle_bytes_s=8e6)
-    copy_threads, done = [], threading.Event()
-
-    def watch() -> None:  # how many threads copy adapters at once
-        while not done.is_set():
-            copy_threads.append(sum(t.name == "adapter-copy" or t.name.startswith("load-")
-                                    for t in threading.enumerate()))
-            time.sleep(0.001)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        out = llm.generate(prompts, adapters=NAMES, sampling=GREEDY)
-    finally:
-        done.set()
-        watcher.join()
+    out = llm.generate(prompts, adapters=NAMES, sampling=GREEDY)
     assert [o.token_ids for o in out] == [o.token_ids for o in first]
     assert llm.load_wait_ms > 0, "throttled loads should have made compute wait on layer groups"
     assert not llm.executor.loads, "finished loads are forgotten"
-    # Four adapters load at once, through one copy thread (the CPU stand-in for the copy stream).
-    assert max(copy_threads) - min(copy_threads) <= 1
