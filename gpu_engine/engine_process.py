@@ -20,6 +20,7 @@ from loraplex.gpu_engine.child_process import run_child
 from loraplex.gpu_engine.faults import install_faults
 from loraplex.daemon.memory.geometry import AdapterLayout
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter, load_peft_adapter
+from loraplex.gpu_engine.malloc_arenas import bound_malloc_arenas
 from loraplex.gpu_engine.runtime import EngineRuntime, EngineSpec, build_runtime
 from loraplex.gpu_engine.store_reader import StoreReader
 from loraplex.ipc.errors import ErrorCode
@@ -195,6 +196,7 @@ class EngineServer:
 
 
 def _start(spec: EngineSpec) -> tuple[EngineRuntime, CpuAssistResources | None]:
+    bound_malloc_arenas()
     runtime = build_runtime(spec)
     install_faults(runtime.executor.model)  # test-only: no-op unless LORAPLEX_FAULTS is set
     resources = CpuAssistResources(runtime) if runtime.spec.adapter_load_mode == "cpu_assist" else None
