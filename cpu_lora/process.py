@@ -1,19 +1,15 @@
 """Process identity of CPU workers: role names, thread environment, Linux setup.
 
-Owns what both sides agree on before a worker runs (its role name on the
-command line and in ps/top, the one-thread environment) and the prctl calls
-that make it die with its parent. Imports nothing heavy: the torch-free pool
+Owns what both sides agree on before a worker runs: its role name on the
+command line and in ps/top, and the one-thread environment (dying with the
+parent is loraplex.lifetime's). Imports nothing heavy: the torch-free pool
 uses it to build command lines.
 """
 from __future__ import annotations
 
-import ctypes
-import signal
+from loraplex.lifetime import COMM_MAX
 
 ROLE_PREFIX = "loraplex-cpu-worker"
-_PR_SET_PDEATHSIG = 1
-_PR_SET_NAME = 15
-_COMM_MAX = 15  # the kernel keeps 15 bytes of a process name
 
 # Every math library a worker might load gets one thread: the worker's
 # parallelism is the number of processes, one per core (Toppings §4.2).
@@ -34,14 +30,5 @@ def worker_role(index: int) -> str:
 
 def worker_comm(index: int) -> str:
     """The 15-byte process name (ps -o comm, top): `loraplex-cpu-N` while N < 100."""
-    return f"loraplex-cpu-{index}"[:_COMM_MAX]
+    return f"loraplex-cpu-{index}"[:COMM_MAX]
 
-
-def linux_process_setup(comm: str) -> None:
-    """Die with the parent (SIGKILL on its exit) and show as `comm` in ps/top."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        libc.prctl(_PR_SET_NAME, comm.encode()[:_COMM_MAX], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the pool still kills its workers when it stops

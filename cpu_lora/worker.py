@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 
-from loraplex.cpu_lora.process import ROLE_PREFIX, SINGLE_THREAD_ENV, linux_process_setup, worker_comm, worker_role
+from loraplex.cpu_lora.process import ROLE_PREFIX, SINGLE_THREAD_ENV, worker_comm, worker_role
+from loraplex.lifetime import die_with_parent
 
 # Before torch (and its OpenMP / MKL) is imported, so no thread pool is ever sized
 # for the whole machine.
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     role = args.role or worker_role(args.index)
     logging.basicConfig(level=logging.INFO, format=f"{role} %(levelname)s %(message)s", stream=sys.stderr)
-    linux_process_setup(worker_comm(args.index))
+    die_with_parent(worker_comm(args.index))
     if args.parent_pid and os.getppid() != args.parent_pid:
         return 1  # the parent died before PDEATHSIG was armed
     if args.heartbeat_fd is not None:

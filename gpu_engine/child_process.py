@@ -12,7 +12,6 @@ appended once the daemon handed it over on stdin.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import signal
@@ -27,20 +26,9 @@ from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.heartbeat import HEARTBEAT_FD_FLAG, start_beating
 from loraplex.ipc.protocol import EngineFailure
 from loraplex.ipc.sockets import TypedSocket, make_dealer
+from loraplex.lifetime import die_with_parent
 
-_PR_SET_PDEATHSIG = 1
-_PR_SET_NAME = 15
 State = TypeVar("State")
-
-
-def process_setup(role: str) -> None:
-    """Die with the daemon, and show as `role` in ps/top."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        libc.prctl(_PR_SET_NAME, role.encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the daemon's supervisor still kills us on exit
 
 
 def run_child(role: str, what: str, argv: list[str] | None, start: Callable[[EngineSpec], State],
@@ -54,7 +42,7 @@ def run_child(role: str, what: str, argv: list[str] | None, start: Callable[[Eng
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"{role} %(levelname)s %(message)s", stream=sys.stderr)
     log = logging.getLogger(role)
-    process_setup(role)
+    die_with_parent(role)
     if args.heartbeat_fd is not None:
         start_beating(args.heartbeat_fd)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

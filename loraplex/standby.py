@@ -14,27 +14,17 @@ Stdlib only until the import thread runs: this module's own import stays cheap.
 """
 from __future__ import annotations
 
-import ctypes
 import importlib
 import os
 import signal
 import sys
 import threading
 
+from loraplex.lifetime import die_with_parent
+
 STANDBY_FLAG = "--standby"
 SPARE_NAME = "loraplex-spare"
 IMPORT_NICE = 10
-_PR_SET_PDEATHSIG = 1
-_PR_SET_NAME = 15
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        libc.prctl(_PR_SET_NAME, SPARE_NAME.encode(), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the daemon still kills its spare when it stops
 
 
 def _warm(module: str, loaded: list) -> None:
@@ -52,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     module, child_args = argv[0], argv[2:]
-    _die_with_parent()
+    die_with_parent(SPARE_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us
     if os.getppid() == 1:
         return 0  # the daemon died before PDEATHSIG was armed
