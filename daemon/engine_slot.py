@@ -123,12 +123,14 @@ class EngineSlot:
         pending, self.pending, self.carried = self.pending, [], []
         return seqs, pending
 
-    def observe_step(self, tokens: int, seconds: float, lora_ranks: list[int] | None = None, rows: int = 0) -> None:
-        """A step computed `tokens` over `rows` rows in `seconds`; its rows ran LoRA at `lora_ranks`."""
+    def observe_step(self, tokens: int, seconds: float, lora_ranks: list[int] | None = None,
+                     prefill_tokens: int = 0) -> None:
+        """A step computed `tokens` (`prefill_tokens` of them beyond one per row) in `seconds`;
+        its rows ran LoRA at `lora_ranks`."""
         self.tokens += tokens
         self.busy_s += seconds
         self.steps += 1
-        self.step_times.observe(seconds * 1e3, lora_ranks or (), max(0, tokens - rows) if rows else 0)
+        self.step_times.observe(seconds * 1e3, lora_ranks or (), prefill_tokens)
 
     # ---- engine bring-up ----------------------------------------------------------------------
     async def bring_up(self, adapters: AdapterTable, policy: str, cache_policy: str,

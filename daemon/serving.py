@@ -405,9 +405,10 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
             if isinstance(reply, EngineStepDone):
                 returned = time.perf_counter()
                 await self._apply(sched, plan, reply)
-                slot.observe_step(sum(len(r.token_ids) for r in plan.rows), returned - started,
+                slot.observe_step(plan.num_tokens, returned - started,
                                   [self._rank_of(r.adapter) for r in plan.rows
-                                   if r.adapter is not None and r.adapter != plan.merged_adapter], len(plan.rows))
+                                   if r.adapter is not None and r.adapter != plan.merged_adapter],
+                                  plan.prefill_tokens)
                 self.stats.step(plan, reply.result, (returned - started) * 1e3,
                                 schedule_ms + (time.perf_counter() - returned) * 1e3)
                 if self.cpu is not None:

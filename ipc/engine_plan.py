@@ -75,6 +75,11 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(len(r.token_ids) for r in self.rows)
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens beyond one per row: the prefill work this step adds to a decode step."""
+        return self.num_tokens - len(self.rows)
+
 
 @dataclass(frozen=True, slots=True)
 class RowResult:

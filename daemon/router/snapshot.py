@@ -30,45 +30,45 @@ class StepTimes:
     the same steps' LoRA work in each kernel's cost units (so the router can tell how much of
     the time its PERF model does not explain: prefill chunks, sampling), an exponentially
     weighted standard deviation of step times (its SLO margin), and the step time one more
-    prefill token adds (an exponentially weighted regression of step time on the tokens a step
-    runs beyond one per row). The first step starts them."""
+    prefill token adds (an exponentially weighted regression of step time on the step's
+    StepPlan.prefill_tokens). The first step starts them."""
 
     mean_ms: float = 0.0
     bgmv_units: float = 0.0
     mbgmv_units: float = 0.0
     _slow_mean_ms: float = 0.0
     _var_ms2: float = 0.0
-    _extra_mean: float = 0.0
-    _extra_var: float = 0.0
-    _cov: float = 0.0  # of step time and extra tokens
+    _prefill_mean: float = 0.0
+    _prefill_var: float = 0.0
+    _cov: float = 0.0  # of step time and prefill tokens
 
-    def observe(self, step_ms: float, lora_ranks: Sequence[int] = (), extra_tokens: int = 0) -> None:
+    def observe(self, step_ms: float, lora_ranks: Sequence[int] = (), prefill_tokens: int = 0) -> None:
         """One step of `step_ms` whose rows ran LoRA at `lora_ranks` (merged or base rows left out)
-        and `extra_tokens` tokens beyond one per row (prefill)."""
+        and `prefill_tokens` tokens beyond one per row."""
         bgmv, mbgmv = lora_units("bgmv", lora_ranks), lora_units("mbgmv", lora_ranks)
         if self.mean_ms <= 0:
             self.mean_ms = self._slow_mean_ms = step_ms
             self.bgmv_units, self.mbgmv_units = bgmv, mbgmv
-            self._extra_mean = extra_tokens
+            self._prefill_mean = prefill_tokens
             return
         self.mean_ms += STEP_EMA * (step_ms - self.mean_ms)
         self.bgmv_units += STEP_EMA * (bgmv - self.bgmv_units)
         self.mbgmv_units += STEP_EMA * (mbgmv - self.mbgmv_units)
         diff = step_ms - self._slow_mean_ms
-        extra = extra_tokens - self._extra_mean
+        dprefill = prefill_tokens - self._prefill_mean
         self._slow_mean_ms += SPREAD_EMA * diff
-        self._extra_mean += SPREAD_EMA * extra
+        self._prefill_mean += SPREAD_EMA * dprefill
         self._var_ms2 = (1 - SPREAD_EMA) * (self._var_ms2 + SPREAD_EMA * diff * diff)
-        self._extra_var = (1 - SPREAD_EMA) * (self._extra_var + SPREAD_EMA * extra * extra)
-        self._cov = (1 - SPREAD_EMA) * (self._cov + SPREAD_EMA * diff * extra)
+        self._prefill_var = (1 - SPREAD_EMA) * (self._prefill_var + SPREAD_EMA * dprefill * dprefill)
+        self._cov = (1 - SPREAD_EMA) * (self._cov + SPREAD_EMA * diff * dprefill)
 
     @property
     def ms_per_prefill_token(self) -> float:
-        """Step time one more prefill token adds (slope of step time on extra tokens; 0 until
+        """Step time one more prefill token adds (slope of step time on prefill tokens; 0 until
         steps with and without prefill were both seen)."""
-        if self._extra_var <= 1e-9:
+        if self._prefill_var <= 1e-9:
             return 0.0
-        return max(0.0, self._cov / self._extra_var)
+        return max(0.0, self._cov / self._prefill_var)
 
     @property
     def std_ms(self) -> float:

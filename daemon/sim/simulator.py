@@ -289,7 +289,7 @@ class Simulator:
             start = wait_until if mode == "on_demand" else now
         eng.plan, eng.started, eng.end = plan, now, start + step_s
         eng.busy_s += eng.end - now
-        eng.step_times.observe(step_s * 1e3, ranks, plan.num_tokens - len(plan.rows))
+        eng.step_times.observe(step_s * 1e3, ranks, plan.prefill_tokens)
         eng.tokens += plan.num_tokens
         self.steps += 1
         self.decisions.append(Decision(eng.index, plan.step_id, now,
