@@ -10,7 +10,6 @@ process whose big buffers are torch tensors. A no-op off glibc.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 M_ARENA_MAX = -8  # glibc malloc.h
@@ -21,12 +20,10 @@ log = logging.getLogger(__name__)
 
 def bound_malloc_arenas(limit: int = ENGINE_ARENAS) -> bool:
     """Cap the number of malloc arenas at `limit`; True when the C library took it."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
     try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt arenas)
+        # The process's own C library (as loraplex.lifetime does); no ldconfig lookup at start-up.
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # no C library to open, or not glibc (musl has no mallopt)
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     ok = mallopt(M_ARENA_MAX, limit) == 1
