@@ -16,8 +16,11 @@ it all with the policies interleaved, fresh daemons each round.
 Per policy and load: requests, completed, hit rate (from the daemon's adapter_paths: cached
 or merged over all adapter requests), mean/P50/P90/P99 TTFT at the client (over the requests
 of all rounds) and P99 per round, adapter MB loaded, and per load the P99 TTFT ratios
-cost/lru and cost/none. The workload's adapters map onto the live ones by popularity
-(loadgen); ranks are drawn independently of it. `--json` prints one JSON object on stdout;
+cost/lru and cost/none (and each POLICY/POLICY+stall pair run). Cold requests wait in the
+queue while their adapter is copied (scheduler.admit_when_loaded, the default); a
+`POLICY+stall` variant turns that off, so the step that admits them waits for the copy. The
+workload's adapters map onto the live ones by popularity (loadgen); ranks are drawn
+independently of it. `--json` prints one JSON object on stdout;
 progress goes to stderr.
 """
 from __future__ import annotations
@@ -45,6 +48,15 @@ MAX_NUM_SEQS = 16
 
 def _log(msg: str) -> None:
     print(f"[cache_live] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_variant(label: str) -> tuple[str, bool]:
+    """`POLICY` or `POLICY+stall`: the cache policy, and whether cold requests stall the step
+    (scheduler.admit_when_loaded off) instead of waiting in the queue for their copy."""
+    policy, plus, suffix = label.partition("+")
+    if policy not in ("none", "lru", "fifo", "cost") or (plus and suffix != "stall"):
+        raise ValueError(f"unknown policy variant {label!r}: POLICY[+stall], POLICY one of none, lru, fifo, cost")
+    return policy, suffix == "stall"
 
 
 def write_adapters(root: Path, spec: WorkloadSpec, model_config: dict) -> dict[str, tuple[Path, int]]:
@@ -152,7 +164,10 @@ def run(args: argparse.Namespace) -> dict:
                 home = root / f"{policy}-{rnd}"
                 home.mkdir()
                 _log(f"round {rnd + 1}/{args.rounds}, {policy}: starting the daemon")
-                proc, runtime_dir = start_daemon(home, [*serve, "--cache-policy", policy])
+                cache_policy, stall = parse_variant(policy)
+                # A "+stall" variant admits a cold request at once, its step waiting for the copy.
+                os.environ["LORAPLEX_SCHEDULER_ADMIT_WHEN_LOADED"] = "false" if stall else "true"
+                proc, runtime_dir = start_daemon(home, [*serve, "--cache-policy", cache_policy])
                 try:
                     warm_up(runtime_dir)
                     for i, spec in enumerate(specs):
@@ -171,11 +186,12 @@ def run(args: argparse.Namespace) -> dict:
     for i, spec in enumerate(specs):
         by_policy = {p: merge(spec.rate_rps, results[p][i]) for p in args.policies}
         ratios = {}
-        if "cost" in by_policy:
-            for other in ("lru", "none"):
-                if other in by_policy and by_policy[other]["ttft_ms"]["p99"] > 0:
-                    ratios[f"cost_over_{other}"] = round(by_policy["cost"]["ttft_ms"]["p99"]
-                                                         / by_policy[other]["ttft_ms"]["p99"], 3)
+        pairs = [("cost", "lru"), ("cost", "none")]
+        pairs += [(p, f"{p}+stall") for p in ("none", "lru", "fifo", "cost")]
+        for mine, other in pairs:
+            if mine in by_policy and other in by_policy and by_policy[other]["ttft_ms"]["p99"] > 0:
+                ratios[f"{mine}_over_{other}"] = round(by_policy[mine]["ttft_ms"]["p99"]
+                                                       / by_policy[other]["ttft_ms"]["p99"], 3)
         table.append({"rate_rps": spec.rate_rps, "policies": by_policy, "p99_ttft_ratio": ratios})
     top = table[-1]["p99_ttft_ratio"]
     return {
@@ -201,7 +217,9 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--adapters", type=int, default=32, help="adapters written and registered (default 32)")
-    parser.add_argument("--policies", default="none,lru,cost", help="comma-separated cache policies")
+    parser.add_argument("--policies", default="none,lru,cost",
+                        help="comma-separated cache policies; POLICY+stall: cold requests join the batch at "
+                             "once and the step waits for their copy (scheduler.admit_when_loaded off)")
     parser.add_argument("--rates", default="4,10,20", help="comma-separated arrival rates, req/s")
     parser.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals per load")
     parser.add_argument("--max-requests", type=int, default=None, help="cap on requests per load")
@@ -223,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = parser.parse_args(argv)
     args.policies = [p for p in args.policies.split(",") if p]
+    try:
+        for label in args.policies:
+            parse_variant(label)
+    except ValueError as exc:
+        parser.error(str(exc))
     args.rates = sorted(float(r) for r in args.rates.split(",") if r)
     if not args.policies or not args.rates or min(args.rates) <= 0 or args.adapters < 1 or args.rounds < 1:
         parser.error("need at least one policy, positive rates, >= 1 adapter and >= 1 round")

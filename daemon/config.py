@@ -190,6 +190,9 @@ class SchedulerSettings(_Section):
         "within cache_predictor_horizon_s (only those already in the host store)."))
     cache_predictor_horizon_s: float = field(default=5.0, metadata=_help(
         "cache_predictor: how far ahead an expected arrival counts."))
+    admit_when_loaded: bool = field(default=True, metadata=_help(
+        "on_demand loads: a request whose adapter is still being copied to the GPU waits in the queue "
+        "while the batch runs on, instead of stalling every request in the step on the copy."))
     router: str = field(default="most_idle", metadata=_help(
         f"Which engine a new request goes to (with server.engines > 1): {', '.join(ROUTERS)}."))
     router_profile: str | None = field(default=None, metadata=_help(

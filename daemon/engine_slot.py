@@ -178,7 +178,8 @@ class EngineSlot:
                             max_loras_per_batch=sched.max_loras_per_batch,
                             ttft_slo_s=None if sched.ttft_slo_ms is None else sched.ttft_slo_ms / 1e3,
                             cluster_adapters=sched.cluster_adapters, cache_policy=cache_policy,
-                            cache_predictor=predictor),
+                            cache_predictor=predictor,
+                            admit_when_loaded=sched.admit_when_loaded and self.load_mode == "on_demand"),
             geometry, self.allocator, adapters.pages, tuple(hello.eos_token_ids), adapter_rank=rank_of,
         )
         scheduler.adapters.host_resident = self.host_resident

@@ -380,7 +380,7 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
                 continue
             if self.cpu is not None and plan.merged_adapter is None:
                 plan = await self.cpu.prepare(plan, self.adapters)
-            self._mark_scheduled(plan)
+            self._mark_scheduled(plan, sched)
             if self.decisions is not None:
                 self._log_decision(slot.index, plan)
             started = time.perf_counter()
@@ -426,7 +426,7 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
             engine, plan.step_id, tuple(client_id(r.request_id) for r in plan.rows if r.start_pos == 0),
             tuple(client_id(r.request_id) for r in plan.rows), plan.merged_adapter))
 
-    def _mark_scheduled(self, plan: StepPlan) -> None:
+    def _mark_scheduled(self, plan: StepPlan, sched) -> None:
         placed = {p.name for p in plan.place}
         now = time.monotonic()
         for row in plan.rows:
@@ -437,7 +437,7 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
                     state.adapter_path = "merged"
                 elif row.cpu_layers:
                     state.adapter_path = "cpu_assisted"
-                elif row.adapter in placed:
+                elif row.adapter in placed or sched.waited_for_adapter(row.request_id):
                     state.adapter_path = "loaded"
         self.stats.placed(len(plan.place), len(plan.evict))
 

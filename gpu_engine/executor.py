@@ -122,7 +122,7 @@ class Executor:
             self.loads[placement.name] = self.loader.start(entry.adapter, resident, placement.load_groups)
         rows = self.merge.prepare(plan)  # merged-mode rows run as base rows: their LoRA is in the weights
         if not rows:  # placements only (preloading)
-            return StepResult(step_id=plan.step_id, rows=[],
+            return StepResult(step_id=plan.step_id, rows=[], loading=self._still_loading(),
                               transfer_bytes={"adapter_h2d": self.loader.started_bytes - loaded_before})
         t0 = time.perf_counter()
         # Rows sorted by adapter make each adapter one contiguous token segment (SGMV-style).
@@ -151,15 +151,21 @@ class Executor:
         t2 = time.perf_counter()
         if watchdog is not None:
             watchdog.join()
-        for name in [n for n, load in self.loads.items() if load.done()]:
-            del self.loads[name]
+        loading = self._still_loading()
         transfers = {"adapter_h2d": self.loader.started_bytes - loaded_before}
         if cpu is not None:
             transfers["assist_d2h"] = cpu.d2h_bytes
             transfers["assist_h2d"] = cpu.h2d_bytes
         return StepResult(step_id=plan.step_id, rows=rows, forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3,
                           cpu_timeouts=cpu.timeouts if cpu is not None else 0,
-                          load_wait_ms=batch.load_wait_ms if batch is not None else 0.0, transfer_bytes=transfers)
+                          load_wait_ms=batch.load_wait_ms if batch is not None else 0.0, transfer_bytes=transfers,
+                          loading=loading)
+
+    def _still_loading(self) -> list[str]:
+        """Forget finished loads; the adapters whose layer groups are still arriving."""
+        for name in [n for n, load in self.loads.items() if load.done()]:
+            del self.loads[name]
+        return list(self.loads)
 
     def _graph_loras(self, rows: list[RowPlan], plan: StepPlan) -> list[ResidentLora | None] | None:
         """Each row's placed adapter when the step can run through the decode buckets, else None:

@@ -43,7 +43,8 @@ class LLM:
                  pool_bytes: int | None = None, page_tokens: int | None = None, max_num_seqs: int = 64,
                  max_batched_tokens: int = 2048, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.9, load_groups: int = 1,
-                 load_throttle_bytes_s: float | None = None, cuda_graphs: bool = True) -> None:
+                 load_throttle_bytes_s: float | None = None, cuda_graphs: bool = True,
+                 admit_when_loaded: bool = False) -> None:
         runtime = build_runtime(EngineSpec(
             model=None if model is None else str(model), device=device, dtype=dtype, max_lora_rank=max_lora_rank,
             lora_backend=lora_backend, num_pages=num_pages, pool_bytes=pool_bytes, page_tokens=page_tokens,
@@ -62,7 +63,8 @@ class LLM:
         self.allocator = PageAllocator(num_pages)
         self.scheduler = FcfsScheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
-                            max_model_len=self.max_model_len, load_groups=load_groups),
+                            max_model_len=self.max_model_len, load_groups=load_groups,
+                            admit_when_loaded=admit_when_loaded),
             self.geometry, self.allocator, self._adapter_pages, self.config.eos_token_ids,
         )
         self.tokenizer = self._load_tokenizer()

@@ -100,3 +100,5 @@ class StepResult:
     # Bytes moved over the host<->device link in this step, by purpose:
     # adapter_h2d (layer-group loads), assist_d2h (activations to the CPU workers), assist_h2d (their deltas).
     transfer_bytes: dict[str, int] = field(default_factory=dict)
+    # Adapters placed by this or earlier plans whose layer groups are still arriving after this step.
+    loading: list[str] = field(default_factory=list)

@@ -99,6 +99,22 @@ def test_live_pool_holds_a_working_set_but_not_every_adapter() -> None:
     assert num_pages - kv >= 2 * max(pages)
 
 
+def test_live_policy_variants_name_a_policy_and_optionally_the_stalling_admission() -> None:
+    sys.path.insert(0, str(LIVE.parent))
+    try:
+        import cache_live
+    finally:
+        sys.path.remove(str(LIVE.parent))
+    assert cache_live.parse_variant("cost") == ("cost", False)
+    assert cache_live.parse_variant("none+stall") == ("none", True)
+    for bad in ("lfu", "cost+", "cost+fast", "+stall", ""):
+        with pytest.raises(ValueError):
+            cache_live.parse_variant(bad)
+    proc = subprocess.run([sys.executable, str(LIVE), "--policies", "none,cost+slow"], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "cost+slow" in proc.stderr
+
+
 @pytest.mark.slow  # two daemon start-ups: ~30 s on a busy 2-core host
 def test_live_smoke_lru_hits_more_than_none(demo) -> None:
     """Two daemons (none, lru), one light load, a steep Zipf: none frees each adapter when its

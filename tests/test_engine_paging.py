@@ -132,3 +132,30 @@ def test_layer_group_loading_waits_per_group_and_changes_nothing(demo, reference
     assert [o.token_ids for o in out] == [o.token_ids for o in first]
     assert llm.load_wait_ms > 0, "throttled loads should have made compute wait on layer groups"
     assert not llm.executor.loads, "finished loads are forgotten"
+
+
+def test_admitting_when_loaded_waits_in_the_queue_not_in_the_step(demo, reference):
+    """The engine reports loads still arriving after each step; with admit_when_loaded a request
+    whose adapter is on its way stays queued while the others run, with the same tokens."""
+    prompts, first = reference
+    llm = _engine(demo, num_pages=512, page_tokens=4, load_groups=4, load_throttle_bytes_s=8e6,
+                  admit_when_loaded=True)
+    reported: list[list[str]] = []
+    execute = llm.executor.execute
+
+    def recording(plan):
+        result = execute(plan)
+        reported.append(list(result.loading))
+        return result
+
+    llm.executor.execute = recording
+    seqs = []
+    add = llm.scheduler.add
+    llm.scheduler.add = lambda req: seqs.append(add(req)) or seqs[-1]
+    out = llm.generate(prompts, adapters=NAMES, sampling=GREEDY)
+    assert [o.token_ids for o in out] == [o.token_ids for o in first]
+    assert any(reported), "throttled loads should still be arriving after some step"
+    assert not reported[-1] and not llm.executor.loads
+    waited = [s for s in seqs if s.waited_for_adapter]
+    # The base-model request runs from the first step, so every adapter request waited for its copy.
+    assert waited == [s for s in seqs if s.req.adapter is not None]

@@ -113,19 +113,23 @@ def timed_workloads(draw):
                 max_loras=draw(st.sampled_from([0, 1, 2])))
 
 
+def build_for(policy: str, w: dict, clock: FakeClock, **cfg) -> BaseScheduler:
+    """A scheduler for a timed_workloads() draw: a pool with w["slack"] pages beyond the largest request."""
+    geometry = PageGeometry(kv_dim=2, page_tokens=w["page_tokens"], max_row_width=0)
+    biggest = max(worst_pages(r, geometry, w["max_model_len"]) for group in w["reqs"].values() for r in group)
+    return build(policy, biggest + w["slack"], clock, page_tokens=w["page_tokens"],
+                 max_batched_tokens=w["max_batched_tokens"], max_num_seqs=w["max_num_seqs"],
+                 max_model_len=w["max_model_len"], cluster_adapters=w["cluster"],
+                 max_loras_per_batch=w["max_loras"], mlq=MlqConfig(min_fit_samples=3, refit_every=4), **cfg)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=60, deadline=None)
 @given(w=timed_workloads())
 def test_every_policy_gives_the_reference_tokens(policy, w) -> None:
-    geometry = PageGeometry(kv_dim=2, page_tokens=w["page_tokens"], max_row_width=0)
     all_reqs = [r for group in w["reqs"].values() for r in group]
-    biggest = max(worst_pages(r, geometry, w["max_model_len"]) for r in all_reqs)
     clock = FakeClock()
-    sched = build(policy, biggest + w["slack"], clock, page_tokens=w["page_tokens"],
-                  max_batched_tokens=w["max_batched_tokens"], max_num_seqs=w["max_num_seqs"],
-                  max_model_len=w["max_model_len"], cluster_adapters=w["cluster"],
-                  max_loras_per_batch=w["max_loras"], mlq=MlqConfig(min_fit_samples=3, refit_every=4),
-                  dlora=DloraConfig(min_merge_steps=1, credit_limit_s=0.01))
+    sched = build_for(policy, w, clock, dlora=DloraConfig(min_merge_steps=1, credit_limit_s=0.01))
     engine = TimedEngine(sched, clock)
     drive(engine, w["reqs"])
     event(f"merged steps: {bool([p for p in engine.plans if p.merged_adapter])}")

@@ -28,7 +28,9 @@ def _trace(n: int) -> list[RequestEvent]:
 
 def _daemon_decisions(events: list[RequestEvent], policy: str, max_num_seqs: int, max_batched_tokens: int):
     config = load_config(None, env={}, overrides={"scheduler.policy": policy, "scheduler.max_num_seqs": max_num_seqs,
-                                                  "scheduler.max_batched_tokens": max_batched_tokens})
+                                                  "scheduler.max_batched_tokens": max_batched_tokens,
+                                                  # the simulator runs cached: no adapter loads to wait for
+                                                  "scheduler.admit_when_loaded": False})
     engine = StubEngineLink(None, None, {})
     decisions: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
     real_call = engine.call

@@ -38,7 +38,7 @@ class ResidentAdapter:
     stale: bool = False  # its content was replaced while referenced: no new users; freed at zero refs
     prefetched: bool = False  # placed ahead of use and not acquired since
     by_prefetch: bool = False  # this copy was placed by prefetch()
-    owed_miss: bool = False  # the acquire that placed it was backed out: the next acquire is the miss
+    owed_miss: bool = False  # placed for a request that has not acquired it (backed out, or placed ahead): its acquire is the miss
     last_access: _Access = "miss"
 
     @property
@@ -87,6 +87,7 @@ class AdapterResidency:
         self._usage: dict[str, AdapterUsage] = {}
         self._pinned: dict[str, None] = {}  # insertion-ordered set
         self._queued: frozenset[str] = frozenset()
+        self._arriving: frozenset[str] = frozenset()  # placed, layer groups still on their way
         self._tick = 0
         self.totals = CacheTotals()
         self.changes = ResidencyChanges()
@@ -119,6 +120,13 @@ class AdapterResidency:
         """Content hash the resident copy of `name` was placed with (None: not resident or unhashed)."""
         entry = self._resident.get(name)
         return None if entry is None else entry.content_hash
+
+    def is_ready(self, name: str) -> bool:
+        """Resident, current, and fully on the GPU: its placement has gone out with a plan and
+        the engine no longer reports it arriving."""
+        entry = self._resident.get(name)
+        return (entry is not None and not entry.stale and name not in self._arriving
+                and not any(p.name == name for p in self.changes.place))
 
     def is_stale(self, name: str) -> bool:
         entry = self._resident.get(name)
@@ -158,6 +166,10 @@ class AdapterResidency:
         """Adapters the waiting requests need; kept over other unreferenced ones under pressure."""
         self._queued = frozenset(n for n in names if n is not None)
 
+    def set_arriving(self, names: Iterable[str]) -> None:
+        """Adapters whose loads the engine reported still in progress after its last step."""
+        self._arriving = frozenset(names)
+
     def pin(self, name: str) -> None:
         """Never evict `name`; if it is not resident, prefetch() places it when free pages allow."""
         self._pinned[name] = None
@@ -195,6 +207,19 @@ class AdapterResidency:
         entry.refs += 1
         entry.usage.accessed(self._clock())
         self._resident.move_to_end(name)
+        return True
+
+    def place_ahead(self, name: str, num_pages: int, load_groups: int = 1) -> bool:
+        """Start bringing `name` to the GPU for a queued request that waits for it (evicting in
+        policy order if needed) without referencing it; the request's acquire counts the miss.
+        True when it is resident or now being placed."""
+        entry = self._resident.get(name)
+        if entry is not None:  # placed (e.g. prefetched) but still arriving: the wait makes it a miss
+            entry.owed_miss = not entry.stale
+            return not entry.stale
+        if not self.make_room(num_pages):
+            return False
+        self._place(name, num_pages, load_groups, None, prefetched=False).owed_miss = True
         return True
 
     def release(self, name: str, *, backout: bool = False) -> None:

@@ -67,6 +67,7 @@ class BaseScheduler(ABC):
         self._aborted: list[EarlyAbort] = []
         self._skips: dict[str, int] = {}  # request id -> times passed over by clustering
         self._passed: tuple[Sequence, list[Sequence]] | None = None  # the last clustering pick, and whom it passed
+        self._awaiting: set[str] = set()  # request ids this plan left queued while their adapter arrives
         # The plan being built: rows by request id, and the token budget left.
         self._rows: dict[str, RowPlan] = {}
         self._budget = 0
@@ -183,6 +184,7 @@ class BaseScheduler(ABC):
         if self.admission.default_slo_s is not None or self._own_slo:
             self._early_abort(now)
         self._rows = {}
+        self._awaiting = set()
         self._budget = self.config.max_batched_tokens
         self.adapters.set_queued(s.req.adapter for s in self.waiting)
         self._plan(now)
@@ -258,6 +260,11 @@ class BaseScheduler(ABC):
         if n <= 0 or seq.status is not SeqStatus.WAITING or not self._has_seat(seq):
             return False
         adapter = seq.req.adapter
+        if adapter is not None and self._must_await_load(adapter):
+            if self.adapters.place_ahead(adapter, self._adapter_pages(adapter), self.config.load_groups):
+                self._awaiting.add(seq.request_id)
+                seq.waited_for_adapter = True
+            return False
         if adapter is not None and not self.adapters.acquire(adapter, self._adapter_pages(adapter),
                                                              self.config.load_groups):
             return False
@@ -279,6 +286,24 @@ class BaseScheduler(ABC):
         self._add_row(seq, n)
         self._on_admit(seq)
         return True
+
+    def _must_await_load(self, adapter: str) -> bool:
+        """With admit_when_loaded, a request whose adapter is not yet fully on the GPU waits in
+        the queue while it loads, rather than stalling every row of the step on the copy; when
+        nothing else would run it is admitted at once and the step overlaps the load."""
+        return (self.config.admit_when_loaded and bool(self._rows or self.running)
+                and not self.adapters.is_ready(adapter)
+                and self.adapters.refs(adapter) == 0)  # a running user's rows wait for it anyway
+
+    def awaiting_load(self, seq: Sequence) -> bool:
+        """This plan left `seq` queued only because its adapter is still arriving: the policy
+        may admit the requests behind it (the wait is the copy's, not a lack of resources)."""
+        return seq.request_id in self._awaiting
+
+    def waited_for_adapter(self, request_id: str) -> bool:
+        """Whether the request was left queued while its adapter was copied to the GPU."""
+        seq = self._by_id.get(request_id)
+        return seq is not None and seq.waited_for_adapter
 
     def _has_seat(self, seq: Sequence) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
@@ -365,6 +390,7 @@ class BaseScheduler(ABC):
         if plan.step_id != self._inflight or result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} does not match the plan in flight ({self._inflight})")
         self._inflight = None
+        self.adapters.set_arriving(result.loading)
         step_ms = result.forward_ms + result.sample_ms
         if step_ms <= 0:
             step_ms = (self._clock() - self._scheduled_at) * 1e3

@@ -28,6 +28,10 @@ class SchedulerConfig:
     cluster_adapters: bool = False
     # A request passed over this many times by clustering is admitted next regardless.
     cluster_max_skips: int = 32
+    # A queued request whose adapter is still loading waits in the queue (its copy under way)
+    # instead of stalling the whole step on it; the engine reports loads in StepResult.loading.
+    # Off: it is admitted at once and the step waits for the adapter's layer groups.
+    admit_when_loaded: bool = False
     # GPU adapter cache eviction policy (daemon/cache/policies.py): none, lru, fifo or cost.
     cache_policy: str = "lru"
     # Prefetch adapters of queued requests into free pages (never evicting for it).

@@ -115,7 +115,7 @@ class DloraScheduler(BaseScheduler):
         candidates = [s for s in self.waiting if merged is None or s.req.adapter == merged]
         while candidates and self._budget > 0:
             seq = self._pick(candidates)
-            if not self._admit(seq, min(seq.num_uncomputed, self._budget)):
+            if not self._admit(seq, min(seq.num_uncomputed, self._budget)) and not self.awaiting_load(seq):
                 break
             candidates.remove(seq)
 

@@ -3,7 +3,8 @@
 Torch-free policy: once per iteration it turns the queue into a StepPlan
 (running sequences first, then waiting ones in arrival order, prefill chunks
 and decodes mixed under one token budget). When the head of the queue cannot
-be admitted nothing overtakes it. Paging, preemption and results live in
+be admitted nothing overtakes it, unless it only waits for its adapter to
+arrive (admit_when_loaded). Paging, preemption and results live in
 base.py; with `cluster_adapters` the next request admitted is the first whose
 adapter already runs (bounded by `cluster_max_skips`).
 """
@@ -27,7 +28,9 @@ class FcfsScheduler(BaseScheduler):
                 break
             if seq.status is SeqStatus.RUNNING:  # else preempted by an earlier sequence in this loop
                 self._run(seq, min(seq.num_uncomputed, self._budget))
-        while self.waiting and self._budget > 0:
-            seq = self._pick(self.waiting)
-            if not self._admit(seq, min(seq.num_uncomputed, self._budget)):
+        candidates = list(self.waiting)
+        while candidates and self._budget > 0:
+            seq = self._pick(candidates)
+            if not self._admit(seq, min(seq.num_uncomputed, self._budget)) and not self.awaiting_load(seq):
                 break  # FCFS: the head waits, nothing overtakes it
+            candidates.remove(seq)

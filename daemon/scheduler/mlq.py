@@ -228,6 +228,9 @@ class MlqScheduler(BaseScheduler):
                 prefilling.setdefault(level, []).append(seq)
                 quota -= n
                 continue
+            if self.awaiting_load(seq):  # not blocked: its adapter is on its way
+                queue.remove(seq)
+                continue
             if self._blocked is None:
                 self._blocked = seq
             for cand in [c for c in queue if c is not seq]:  # bounded head-of-line bypass

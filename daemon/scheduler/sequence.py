@@ -44,6 +44,7 @@ class Sequence:
     first_scheduled: float | None = None
     first_token_at: float | None = None
     num_preemptions: int = 0
+    waited_for_adapter: bool = False  # left queued while its adapter was copied (admit_when_loaded)
 
     @property
     def request_id(self) -> str:

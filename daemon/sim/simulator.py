@@ -43,6 +43,7 @@ class SimConfig:
     cluster_adapters: bool = False
     max_loras_per_batch: int = 0
     prefetch: bool = True
+    admit_when_loaded: bool = True  # on_demand: a request waits in the queue while its adapter loads
     max_steps: int = 2_000_000
 
     def __post_init__(self) -> None:
@@ -157,7 +158,8 @@ class Simulator:
         sched_cfg = SchedulerConfig(
             max_num_seqs=p.max_num_seqs, max_batched_tokens=p.max_batched_tokens, max_model_len=p.max_model_len,
             cache_policy=c.cache_policy, prefetch=c.prefetch, cluster_adapters=c.cluster_adapters,
-            max_loras_per_batch=c.max_loras_per_batch, ttft_slo_s=c.ttft_slo_ms / 1e3 if c.early_abort else None)
+            max_loras_per_batch=c.max_loras_per_batch, ttft_slo_s=c.ttft_slo_ms / 1e3 if c.early_abort else None,
+            admit_when_loaded=c.admit_when_loaded and c.mode == "on_demand")
         geometry = PageGeometry(kv_dim=1, page_tokens=p.page_tokens, max_row_width=0)
 
         def pages(name: str) -> int:
@@ -308,7 +310,8 @@ class Simulator:
             if rec.first_token_s is None:
                 rec.first_token_s = now
         forward_ms = max(1e-6, (eng.end - eng.started) * 1e3)
-        for seq in eng.sched.apply(plan, StepResult(plan.step_id, rows, forward_ms=forward_ms)):
+        loading = [name for name, ready in eng.ready_at.items() if ready > now]
+        for seq in eng.sched.apply(plan, StepResult(plan.step_id, rows, forward_ms=forward_ms, loading=loading)):
             rec = self.records[seq.request_id]
             rec.finish_s, rec.output_tokens = now, len(seq.output_ids)
 
