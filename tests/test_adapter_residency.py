@@ -203,6 +203,32 @@ def test_referenced_adapters_are_never_evicted() -> None:
     assert res.is_resident("busy") and alloc.usage().by_tag == {ADAPTER: 4}
 
 
+def test_adapters_still_arriving_are_not_evicted_until_reported_in() -> None:
+    _, res = make(10)
+    use(res, "old", 4)
+    assert res.place_ahead("new", 4)
+    res.take_changes()  # a plan carried the placement; the engine reports it still arriving
+    res.set_arriving(["new"])
+    assert res.eviction_order() == ["old"] and res.reclaimable_pages() == 4
+    assert not res.make_room(8), "2 free + old's 4: new's copy cannot be called back"
+    assert res.resident_names() == ["old", "new"]
+    res.set_arriving([])
+    assert res.make_room(8) and res.resident_names() == []
+
+
+def test_placed_ahead_counts_its_miss_at_the_acquire() -> None:
+    _, res = make(10)
+    assert res.place_ahead("x", 3) and res.place_ahead("x", 3)  # the second finds it placed
+    assert not res.is_ready("x"), "no plan has carried the placement yet"
+    assert [p.name for p in res.take_changes().place] == ["x"]
+    res.set_arriving(["x"])
+    assert not res.is_ready("x")
+    res.set_arriving([])
+    assert res.is_ready("x")
+    assert res.acquire("x", 3)
+    assert (res.totals.misses, res.totals.hits, res.totals.loads) == (1, 0, 1)
+
+
 def test_placed_then_dropped_before_a_plan_sends_nothing() -> None:
     alloc, res = make(8)
     use(res, "x", 2)

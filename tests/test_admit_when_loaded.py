@@ -30,13 +30,16 @@ class ArrivingEngine(TimedEngine):
         self.arrives: dict[str, int] = {}  # adapter -> engine step after which it is in
         self.stalled: list[tuple[int, str, bool]] = []  # (step, adapter, other rows were running)
         self.running_before: set[str] = set()
+        self.evicted_arriving: list[tuple[int, str, bool]] = []  # (step, adapter, other rows were running)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        # Rows of requests that were running and still hold their KV (a preempted one restarts at 0).
+        carried = [r for r in plan.rows if r.request_id in self.running_before and r.start_pos > 0]
         for name in plan.evict:
-            self.arrives.pop(name, None)
+            if self.arrives.pop(name, -1) > self.steps:  # evicted while last reported arriving
+                self.evicted_arriving.append((self.steps, name, bool(carried)))
         for placement in plan.place:
             self.arrives[placement.name] = self.steps + self.load_steps.get(placement.name, 0)
-        carried = [r for r in plan.rows if r.request_id in self.running_before]
         carried_adapters = {r.adapter for r in carried}
         for row in plan.rows:
             arriving = row.adapter is not None and self.arrives.get(row.adapter, -1) > self.steps
@@ -74,6 +77,8 @@ def test_every_policy_still_gives_the_reference_tokens_and_never_stalls_a_runnin
     # A request joins the batch with its adapter still arriving only when nothing was running:
     # then there is no one to hold up, and the step overlaps the copy.
     assert not [s for s in engine.stalled if s[2]], engine.stalled
+    # Nor is an adapter evicted while its copy is under way (the engine would wait for it).
+    assert not [e for e in engine.evicted_arriving if e[2]], engine.evicted_arriving
     assert_drained(sched)
 
 
@@ -166,3 +171,22 @@ def test_mlq_does_not_treat_a_loading_head_as_blocked():
     engine.add(request("warm", [3] * 4, 2, "ada"))
     plan = _step(sched, engine)
     assert "warm" in {r.request_id for r in plan.rows} and "cold" not in {r.request_id for r in plan.rows}
+
+
+def test_with_nothing_running_loads_still_reported_arriving_do_not_block_the_queue():
+    """Arriving adapters are kept from eviction, but only steps report them in: with nothing
+    left running, the scheduler stops waiting for them rather than idle with work queued."""
+    clock = FakeClock()
+    sched = build("fcfs", 5, clock, admit_when_loaded=True)
+    engine = ArrivingEngine(sched, clock, {"ada": 0, "bob": 50, "cat": 0})
+    engine.add(request("long", [1] * 4, 4, "ada"))
+    _step(sched, engine)
+    engine.add(request("cold", [2] * 4, 2, "bob"))
+    _step(sched, engine)  # bob placed ahead and reported arriving
+    assert sched.adapters.arriving == {"bob"}
+    sched.abort("long")
+    sched.abort("cold")
+    engine.add(request("new", [3] * 4, 2, "cat"))  # needs bob's pages
+    plan = sched.schedule()
+    assert plan is not None and [r.request_id for r in plan.rows] == ["new"]
+    assert "bob" in plan.evict

@@ -167,8 +167,13 @@ class AdapterResidency:
         self._queued = frozenset(n for n in names if n is not None)
 
     def set_arriving(self, names: Iterable[str]) -> None:
-        """Adapters whose loads the engine reported still in progress after its last step."""
+        """Adapters whose loads the engine reported still in progress after its last step
+        (kept over eviction, and awaited by admit_when_loaded)."""
         self._arriving = frozenset(names)
+
+    @property
+    def arriving(self) -> frozenset[str]:
+        return self._arriving
 
     def pin(self, name: str) -> None:
         """Never evict `name`; if it is not resident, prefetch() places it when free pages allow."""
@@ -366,7 +371,10 @@ class AdapterResidency:
         return usage
 
     def _evictable(self, entry: ResidentAdapter) -> bool:
-        return entry.refs == 0 and entry.name not in self._pinned
+        # An adapter still arriving is not evicted: its copy cannot be called back (the link
+        # carries it anyway), and the engine would hold the step until it lands before the
+        # pages could be reused.
+        return entry.refs == 0 and entry.name not in self._pinned and entry.name not in self._arriving
 
     def _victims(self) -> list[ResidentAdapter]:
         ordered = self._policy.order(list(self._resident.values()), self._clock())

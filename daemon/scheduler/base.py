@@ -188,6 +188,11 @@ class BaseScheduler(ABC):
         self._budget = self.config.max_batched_tokens
         self.adapters.set_queued(s.req.adapter for s in self.waiting)
         self._plan(now)
+        if not self._rows and self.adapters.arriving:
+            # Nothing runs, so no step will report those loads done: stop waiting for them (a
+            # request joins with its adapter still arriving, an eviction waits for the copy).
+            self.adapters.set_arriving(())
+            self._plan(now)
         if not self._rows:
             return None
         if self.config.prefetch:
