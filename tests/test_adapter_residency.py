@@ -229,6 +229,17 @@ def test_placed_ahead_counts_its_miss_at_the_acquire() -> None:
     assert (res.totals.misses, res.totals.hits, res.totals.loads) == (1, 0, 1)
 
 
+def test_backouts_undo_the_newest_acquires_first() -> None:
+    _, res = make(10)
+    assert res.acquire("a", 2) and res.acquire("a", 2)  # a miss, then a hit
+    res.release("a", backout=True)
+    assert (res.totals.hits, res.totals.misses) == (0, 1)
+    res.release("a", backout=True)
+    assert (res.totals.hits, res.totals.misses) == (0, 0)
+    assert res.acquire("a", 2)  # the placement is still owed its miss
+    assert (res.totals.hits, res.totals.misses) == (0, 1)
+
+
 def test_placed_then_dropped_before_a_plan_sends_nothing() -> None:
     alloc, res = make(8)
     use(res, "x", 2)

@@ -10,7 +10,7 @@ pinned adapter, never allocates KV pages, and never serves a stale copy.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -39,7 +39,9 @@ class ResidentAdapter:
     prefetched: bool = False  # placed ahead of use and not acquired since
     by_prefetch: bool = False  # this copy was placed by prefetch()
     owed_miss: bool = False  # placed for a request that has not acquired it (backed out, or placed ahead): its acquire is the miss
-    last_access: _Access = "miss"
+    # How each current reference was counted, oldest first: a backout undoes the newest (it
+    # follows its own acquire), a normal release retires the oldest; the length is `refs`.
+    accesses: deque[_Access] = field(default_factory=deque)
 
     @property
     def num_pages(self) -> int:
@@ -208,7 +210,7 @@ class AdapterResidency:
             access = "prefetch_hit" if entry.prefetched else "hit"
         self._count(entry, access, +1)
         entry.owed_miss = entry.prefetched = False
-        entry.last_access = access
+        entry.accesses.append(access)
         entry.refs += 1
         entry.usage.accessed(self._clock())
         self._resident.move_to_end(name)
@@ -228,18 +230,20 @@ class AdapterResidency:
         return True
 
     def release(self, name: str, *, backout: bool = False) -> None:
-        """Drop one reference. backout=True: the matching acquire is undone (its request was not
+        """Drop one reference. backout=True: the newest acquire is undone (its request was not
         admitted after all), so it is not counted as a hit or miss."""
         entry = self._resident[name]
         if entry.refs <= 0:
             raise ValueError(f"adapter {name} released more often than acquired")
         entry.refs -= 1
         if backout:
-            self._count(entry, entry.last_access, -1)
+            access = entry.accesses.pop()
+            self._count(entry, access, -1)
             entry.usage.undo_access()
-            entry.owed_miss = entry.last_access == "miss"
-            entry.prefetched = entry.last_access == "prefetch_hit"
+            entry.owed_miss = access == "miss"
+            entry.prefetched = access == "prefetch_hit"
         else:
+            entry.accesses.popleft()
             entry.usage.last_used = self._clock()
             self._resident.move_to_end(name)  # it was in use until now: most recently used
         if entry.refs == 0:
