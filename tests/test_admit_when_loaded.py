@@ -190,3 +190,29 @@ def test_with_nothing_running_loads_still_reported_arriving_do_not_block_the_que
     plan = sched.schedule()
     assert plan is not None and [r.request_id for r in plan.rows] == ["new"]
     assert "bob" in plan.evict
+
+
+def test_a_request_passes_one_awaiting_its_copy_only_with_a_seat_and_pages_to_spare():
+    """Passing must not delay the waiting request once its copy is in: with the last free seat
+    held for it, a ready request behind it waits too, and the held one goes first."""
+    sched, engine = _with_ada_running(max_num_seqs=2)
+    engine.add(request("cold", [2] * 4, 2, "bob"))
+    engine.add(request("warm", [3] * 4, 2, "ada"))
+    plan = _step(sched, engine)
+    assert [r.request_id for r in plan.rows] == ["long"]  # the second seat is held for "cold"
+    while engine.seqs["cold"].status is SeqStatus.WAITING:
+        _step(sched, engine)
+    assert engine.seqs["warm"].status is SeqStatus.WAITING  # "cold" took the held seat
+
+
+def test_a_request_that_would_take_the_awaiting_ones_pages_waits_behind_them():
+    clock = FakeClock()
+    sched = build("fcfs", 9, clock, admit_when_loaded=True)  # ada 1 + bob 2 + cat 3 pages
+    engine = ArrivingEngine(sched, clock, {"ada": 0, "bob": 2, "cat": 0})
+    engine.add(request("long", [1] * 4, 4, "ada"))  # 1 KV page, 2 by its end
+    _step(sched, engine)
+    engine.add(request("cold", [2] * 8, 2, "bob"))  # bob's 2 pages placed ahead, 2 KV pages held
+    engine.add(request("big", [3] * 4, 2, "cat"))  # cat's 3 pages + 1 KV page would leave cold short
+    plan = _step(sched, engine)
+    assert [r.request_id for r in plan.rows] == ["long"] and [p.name for p in plan.place] == ["bob"]
+    assert engine.seqs["big"].status is SeqStatus.WAITING

@@ -38,7 +38,9 @@ class ResidentAdapter:
     stale: bool = False  # its content was replaced while referenced: no new users; freed at zero refs
     prefetched: bool = False  # placed ahead of use and not acquired since
     by_prefetch: bool = False  # this copy was placed by prefetch()
-    owed_miss: bool = False  # placed for a request that has not acquired it (backed out, or placed ahead): its acquire is the miss
+    # Placed for a request that has not acquired it yet (its acquire was backed out, or it was
+    # placed ahead while the request waits): that request's acquire is the miss.
+    owed_miss: bool = False
     # How each current reference was counted, oldest first: a backout undoes the newest (it
     # follows its own acquire), a normal release retires the oldest; the length is `refs`.
     accesses: deque[_Access] = field(default_factory=deque)

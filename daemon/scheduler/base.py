@@ -68,6 +68,7 @@ class BaseScheduler(ABC):
         self._skips: dict[str, int] = {}  # request id -> times passed over by clustering
         self._passed: tuple[Sequence, list[Sequence]] | None = None  # the last clustering pick, and whom it passed
         self._awaiting: set[str] = set()  # request ids this plan left queued while their adapter arrives
+        self._held_pages = 0  # free pages held back for them: the KV of their first chunk
         # The plan being built: rows by request id, and the token budget left.
         self._rows: dict[str, RowPlan] = {}
         self._budget = 0
@@ -185,6 +186,7 @@ class BaseScheduler(ABC):
             self._early_abort(now)
         self._rows = {}
         self._awaiting = set()
+        self._held_pages = 0
         self._budget = self.config.max_batched_tokens
         self.adapters.set_queued(s.req.adapter for s in self.waiting)
         self._plan(now)
@@ -213,7 +215,7 @@ class BaseScheduler(ABC):
         reserve = self.geometry.kv_pages_for(head.num_tokens + 1)
         if head.req.adapter is not None and not self.adapters.is_resident(head.req.adapter):
             reserve += self._adapter_pages(head.req.adapter)
-        budget = self.allocator.num_free - reserve
+        budget = self.allocator.num_free - reserve - self._held_pages
         if budget <= 0:
             return
         wanted = list(dict.fromkeys(s.req.adapter for s in list(self.waiting)[:32] if s.req.adapter is not None))
@@ -265,9 +267,12 @@ class BaseScheduler(ABC):
         if n <= 0 or seq.status is not SeqStatus.WAITING or not self._has_seat(seq):
             return False
         adapter = seq.req.adapter
+        if self._awaiting and not self._leaves_room_for_awaiting(seq, n):
+            return False
         if adapter is not None and self._must_await_load(adapter):
             if self.adapters.place_ahead(adapter, self._adapter_pages(adapter), self.config.load_groups):
                 self._awaiting.add(seq.request_id)
+                self._held_pages += self.geometry.kv_pages_for(seq.num_computed + n) - len(seq.kv_pages)
                 seq.waited_for_adapter = True
             return False
         if adapter is not None and not self.adapters.acquire(adapter, self._adapter_pages(adapter),
@@ -299,6 +304,17 @@ class BaseScheduler(ABC):
         return (self.config.admit_when_loaded and bool(self._rows or self.running)
                 and not self.adapters.is_ready(adapter)
                 and self.adapters.refs(adapter) == 0)  # a running user's rows wait for it anyway
+
+    def _leaves_room_for_awaiting(self, seq: Sequence, n: int) -> bool:
+        """A request may pass those waiting for their adapter only with a seat and free pages
+        to spare for them, so that passing never delays them once their copy is in."""
+        if len(self.running) + len(self._awaiting) >= self.config.max_num_seqs:
+            return False
+        need = self.geometry.kv_pages_for(seq.num_computed + n) - len(seq.kv_pages)
+        adapter = seq.req.adapter
+        if adapter is not None and not self.adapters.is_resident(adapter):
+            need += self._adapter_pages(adapter)
+        return need <= self.allocator.num_free - self._held_pages
 
     def awaiting_load(self, seq: Sequence) -> bool:
         """This plan left `seq` queued only because its adapter is still arriving: the policy
