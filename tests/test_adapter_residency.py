@@ -240,6 +240,22 @@ def test_backouts_undo_the_newest_acquires_first() -> None:
     assert (res.totals.hits, res.totals.misses) == (0, 1)
 
 
+def test_none_keeps_an_adapter_backed_out_for_a_request_still_queued() -> None:
+    """Under `none` the last release frees, but a backout is not a use: the request it was
+    placed for still waits for it, so freeing would only load it again."""
+    alloc = PageAllocator(10)
+    res = AdapterResidency(alloc, "none")
+    res.set_queued(["x"])
+    assert res.acquire("x", 3)
+    res.release("x", backout=True)
+    assert res.is_resident("x") and res.eviction_order() == ["x"]
+    res.set_queued([])
+    assert res.acquire("x", 3)  # its request is admitted after all: the owed miss
+    assert (res.totals.hits, res.totals.misses, res.totals.loads) == (0, 1, 1)
+    res.release("x", backout=True)  # no longer queued: freed at once
+    assert not res.is_resident("x") and alloc.num_free == 10
+
+
 def test_placed_then_dropped_before_a_plan_sends_nothing() -> None:
     alloc, res = make(8)
     use(res, "x", 2)

@@ -251,7 +251,8 @@ class AdapterResidency:
         if entry.refs == 0:
             if entry.stale:
                 self._free(entry, "invalidate")
-            elif self._policy.free_on_release and name not in self._pinned:
+            elif self._policy.free_on_release and name not in self._pinned and not (backout and name in self._queued):
+                # A backout is not a use: the request it was placed for still queues for it.
                 self._free(entry, "evict")
 
     def make_room(self, num_pages: int) -> bool:
