@@ -29,6 +29,7 @@ from loraplex.daemon.router import ROUTERS
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.request_state import ClientRequest
 from loraplex.daemon.cache.policies import POLICY_NAMES
+from loraplex.daemon.scheduler.base import BaseScheduler
 from loraplex.daemon.scheduler.factory import POLICIES
 from loraplex.daemon.scheduler.sequence import Sequence, SeqRequest
 from loraplex.daemon.stats import ServingStats
@@ -426,7 +427,7 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
             engine, plan.step_id, tuple(client_id(r.request_id) for r in plan.rows if r.start_pos == 0),
             tuple(client_id(r.request_id) for r in plan.rows), plan.merged_adapter))
 
-    def _mark_scheduled(self, plan: StepPlan, sched) -> None:
+    def _mark_scheduled(self, plan: StepPlan, sched: BaseScheduler) -> None:
         placed = {p.name for p in plan.place}
         now = time.monotonic()
         for row in plan.rows:
