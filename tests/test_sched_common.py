@@ -143,6 +143,42 @@ def test_every_policy_gives_the_reference_tokens(policy, w) -> None:
     assert_drained(sched)
 
 
+# Both found by the property test (MLQ, a one-token budget, a pool just big enough for the
+# largest request): one sequence held pages mid-prefill while another, served first, took the
+# one token each step, ran out of pages and preempted itself, over and over.
+LIVELOCKS = {
+    "end of prefill": (dict(page_tokens=2, max_model_len=32, max_num_seqs=4), [
+        (5, "r0", [12, 0, 36], None, 7, True, 0), (2, "r1", [0], "cat", 5, True, 0),
+        (6, "r2", [12, 0, 36], None, 11, True, 0), (9, "r3", [0, 0], None, 7, False, 0),
+        (0, "r4", [0], None, 2, True, 0), (0, "r6", [0, 0, 0], None, 1, False, 0),
+        (1, "r5", [0] * 14, None, 1, False, 1)]),
+    "decoding": (dict(page_tokens=1, max_model_len=34, max_num_seqs=3), [
+        (0, "r0", [39, 14, 11, 39, 0, 27, 32, 0, 0, 16, 0], "cat", 9, True, 0),
+        (0, "r3", [0, 14, 0, 39, 0, 0, 0, 0, 0, 0, 0], "ada", 10, False, 0),
+        (2, "r1", [39, 14, 0, 0, 0, 0, 0, 0, 0, 0, 0], None, 7, False, 0),
+        (7, "r2", [0], None, 1, False, 0)]),
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("case", sorted(LIVELOCKS))
+def test_a_preempted_sequence_does_not_preempt_itself_forever(policy, case) -> None:
+    """A preempted sequence now comes back only when all the KV it can still need fits."""
+    shape, trace = LIVELOCKS[case]
+    arrivals: dict[int, list[SeqRequest]] = {}
+    for step, rid, prompt, adapter, max_tokens, ignore_eos, seed in trace:
+        arrivals.setdefault(step, []).append(request(rid, prompt, max_tokens, adapter, seed=seed,
+                                                     ignore_eos=ignore_eos))
+    w = dict(shape, reqs=arrivals, slack=0, max_batched_tokens=1, cluster=False, max_loras=0)
+    clock = FakeClock()
+    engine = TimedEngine(build_for(policy, w, clock), clock)
+    drive(engine, arrivals, max_steps=2_000)
+    for req in (r for group in arrivals.values() for r in group):
+        assert (engine.seqs[req.request_id].output_ids,
+                engine.seqs[req.request_id].finish_reason) == reference(req, w["max_model_len"])
+    assert_drained(engine.sched)
+
+
 @pytest.mark.parametrize("max_skips, expected", [(8, ["a1", "a2", "n1", "b1", "c1"]),
                                                   (2, ["a1", "a2", "b1", "n1", "c1"])])
 def test_clustering_prefers_running_adapters_within_a_skip_bound(max_skips, expected) -> None:

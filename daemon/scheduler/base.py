@@ -107,9 +107,7 @@ class BaseScheduler(ABC):
             raise ValueError(f"request {req.request_id!r} has an empty prompt")
         if req.request_id in self._by_id:
             raise DuplicateRequestError(f"request id {req.request_id!r} is already in flight")
-        # The whole prompt is prefilled even past max_model_len, so it bounds the need from below.
-        worst_len = max(len(req.prompt_ids), min(len(req.prompt_ids) + req.max_tokens, self.config.max_model_len))
-        need = self.geometry.kv_pages_for(worst_len)
+        need = self._worst_kv_pages(req)
         if req.adapter is not None:
             need += self._adapter_pages(req.adapter)
         if need > self.allocator.num_pages:
@@ -267,6 +265,8 @@ class BaseScheduler(ABC):
         if n <= 0 or seq.status is not SeqStatus.WAITING or not self._has_seat(seq):
             return False
         adapter = seq.req.adapter
+        if seq.num_preemptions and not self._context_fits(seq):
+            return False
         if self._awaiting and not self._leaves_room_for_awaiting(seq, n):
             return False
         if adapter is not None and self._must_await_load(adapter):
@@ -304,6 +304,24 @@ class BaseScheduler(ABC):
         return (self.config.admit_when_loaded and bool(self._rows or self.running)
                 and not self.adapters.is_ready(adapter)
                 and self.adapters.refs(adapter) == 0)  # a running user's rows wait for it anyway
+
+    def _worst_kv_pages(self, req: SeqRequest) -> int:
+        """KV pages a request needs at most (the whole prompt is prefilled even past
+        max_model_len, so it bounds the need from below)."""
+        worst_len = max(len(req.prompt_ids), min(len(req.prompt_ids) + req.max_tokens, self.config.max_model_len))
+        return self.geometry.kv_pages_for(worst_len)
+
+    def _context_fits(self, seq: Sequence) -> bool:
+        """Whether all the KV `seq` can still need fits in free and reclaimable pages. A preempted
+        sequence comes back only then: admitted on its first chunk alone, it could run out of
+        pages again and preempt itself, over and over, while the sequence holding the pages
+        never got the token budget to finish (MLQ, a one-token budget: found by the property
+        tests)."""
+        need = self._worst_kv_pages(seq.req) - len(seq.kv_pages)
+        adapter = seq.req.adapter
+        if adapter is not None and not self.adapters.is_resident(adapter):
+            need += self._adapter_pages(adapter)
+        return need <= self.allocator.num_free + self.adapters.reclaimable_pages()
 
     def _leaves_room_for_awaiting(self, seq: Sequence, n: int) -> bool:
         """A request may pass those waiting for their adapter only with a seat and free pages
