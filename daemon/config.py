@@ -121,7 +121,8 @@ class ModelSettings(_Section):
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
         "Fraction of device memory for weights + pool, in (0, 1]."))
     adapter_load_mode: str = field(default="auto", metadata=_help(
-        "How cold adapters reach the GPU: cached (all preloaded), on_demand (prefill waits for the load), "
+        "How cold adapters reach the GPU: cached (all preloaded), on_demand (copied when needed; see "
+        "scheduler.admit_when_loaded), "
         "cpu_assist (CPU workers compute while layer groups load), auto (cpu_assist on CUDA, else on_demand)."))
     load_groups: int = field(default=4, metadata=_help("Layer groups a cold adapter is loaded in (cpu_assist)."))
     host_store_bytes: int = field(default=256 << 20, metadata=_help(
