@@ -37,6 +37,7 @@ from pathlib import Path
 
 from soak import start_daemon, stop_daemon
 
+from loraplex.daemon.cache.policies import POLICY_NAMES
 from loraplex.daemon.memory.geometry import PageGeometry, plan_adapter_layout
 from loraplex.daemon.sim.loadgen import drive
 from loraplex.daemon.sim.metrics import QUANTILES, pct
@@ -54,8 +55,8 @@ def parse_variant(label: str) -> tuple[str, bool]:
     """`POLICY` or `POLICY+stall`: the cache policy, and whether cold requests stall the step
     (scheduler.admit_when_loaded off) instead of waiting in the queue for their copy."""
     policy, plus, suffix = label.partition("+")
-    if policy not in ("none", "lru", "fifo", "cost") or (plus and suffix != "stall"):
-        raise ValueError(f"unknown policy variant {label!r}: POLICY[+stall], POLICY one of none, lru, fifo, cost")
+    if policy not in POLICY_NAMES or (plus and suffix != "stall"):
+        raise ValueError(f"unknown policy variant {label!r}: POLICY[+stall], POLICY one of {', '.join(POLICY_NAMES)}")
     return policy, suffix == "stall"
 
 
@@ -187,7 +188,7 @@ def run(args: argparse.Namespace) -> dict:
         by_policy = {p: merge(spec.rate_rps, results[p][i]) for p in args.policies}
         ratios = {}
         pairs = [("cost", "lru"), ("cost", "none")]
-        pairs += [(p, f"{p}+stall") for p in ("none", "lru", "fifo", "cost")]
+        pairs += [(p, f"{p}+stall") for p in POLICY_NAMES]
         for mine, other in pairs:
             if mine in by_policy and other in by_policy and by_policy[other]["ttft_ms"]["p99"] > 0:
                 ratios[f"{mine}_over_{other}"] = round(by_policy[mine]["ttft_ms"]["p99"]

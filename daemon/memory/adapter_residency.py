@@ -130,7 +130,7 @@ class AdapterResidency:
         the engine no longer reports it arriving."""
         entry = self._resident.get(name)
         return (entry is not None and not entry.stale and name not in self._arriving
-                and not any(p.name == name for p in self.changes.place))
+                and not self._placement_pending(name))
 
     def is_stale(self, name: str) -> bool:
         entry = self._resident.get(name)
@@ -377,6 +377,10 @@ class AdapterResidency:
             usage = self._usage[name] = AdapterUsage(name=name, half_life_s=self._weights.half_life_s)
         return usage
 
+    def _placement_pending(self, name: str) -> bool:
+        """Placed since the last take_changes(): no plan has carried it to the engine yet."""
+        return any(p.name == name for p in self.changes.place)
+
     def _evictable(self, entry: ResidentAdapter) -> bool:
         # An adapter still arriving is not evicted: its copy cannot be called back (the link
         # carries it anyway), and the engine would hold the step until it lands before the
@@ -407,7 +411,7 @@ class AdapterResidency:
         name = entry.name
         del self._resident[name]
         self._alloc.free(entry.pages)
-        if any(p.name == name for p in self.changes.place):
+        if self._placement_pending(name):
             # Placed and freed before any plan carried it: no message, and no load happened.
             self.changes.place = [p for p in self.changes.place if p.name != name]
             self.changes.content_hashes.pop(name, None)

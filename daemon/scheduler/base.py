@@ -210,9 +210,7 @@ class BaseScheduler(ABC):
         if not self.waiting:
             return
         head = self.waiting[0]
-        reserve = self.geometry.kv_pages_for(head.num_tokens + 1)
-        if head.req.adapter is not None and not self.adapters.is_resident(head.req.adapter):
-            reserve += self._adapter_pages(head.req.adapter)
+        reserve = self._pages_wanted(head, self.geometry.kv_pages_for(head.num_tokens + 1))
         budget = self.allocator.num_free - reserve - self._held_pages
         if budget <= 0:
             return
@@ -317,10 +315,7 @@ class BaseScheduler(ABC):
         pages again and preempt itself, over and over, while the sequence holding the pages
         never got the token budget to finish (MLQ, a one-token budget: found by the property
         tests)."""
-        need = self._worst_kv_pages(seq.req) - len(seq.kv_pages)
-        adapter = seq.req.adapter
-        if adapter is not None and not self.adapters.is_resident(adapter):
-            need += self._adapter_pages(adapter)
+        need = self._pages_wanted(seq, self._worst_kv_pages(seq.req))
         return need <= self.allocator.num_free + self.adapters.reclaimable_pages()
 
     def _leaves_room_for_awaiting(self, seq: Sequence, n: int) -> bool:
@@ -328,11 +323,16 @@ class BaseScheduler(ABC):
         to spare for them, so that passing never delays them once their copy is in."""
         if len(self.running) + len(self._awaiting) >= self.config.max_num_seqs:
             return False
-        need = self.geometry.kv_pages_for(seq.num_computed + n) - len(seq.kv_pages)
+        need = self._pages_wanted(seq, self.geometry.kv_pages_for(seq.num_computed + n))
+        return need <= self.allocator.num_free - self._held_pages
+
+    def _pages_wanted(self, seq: Sequence, kv_pages: int) -> int:
+        """Pages `seq` still lacks to hold `kv_pages` of KV, with its adapter placed."""
+        need = kv_pages - len(seq.kv_pages)
         adapter = seq.req.adapter
         if adapter is not None and not self.adapters.is_resident(adapter):
             need += self._adapter_pages(adapter)
-        return need <= self.allocator.num_free - self._held_pages
+        return need
 
     def awaiting_load(self, seq: Sequence) -> bool:
         """This plan left `seq` queued only because its adapter is still arriving: the policy
