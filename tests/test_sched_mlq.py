@@ -117,6 +117,36 @@ def test_long_requests_are_not_starved_by_a_stream_of_short_ones(w) -> None:
     assert_drained(sched)
 
 
+# A hypothesis example (seed 11): a base-model or adapter short request every step, with its
+# prompt length and max_tokens; one 60-token "cat" request first; one seat, clustering on.
+OVERDUE_SHORTS = dict(
+    adapters="......b.....a..b............b.a..a......b...a......b.baab.b.a..bbab..abab.b....a.a....abb..a.ab."
+             "baba.ab.a.aabbb.aab..bba...a...aabbb....babaabb.aaba.abaaa.a..ab.ba.b..aab.babb.bbab.bab.bba..bbb.b.a.b.",
+    lens="42112323112344341122411441124121424221114441141312413432134444113211442321124311121113112134341144"
+         "114413142124421323224412331211242144133231444421113412344114231444113132442441422414444144141124114231",
+    max_tokens="32444414311214412314344232413241244442333213444134111213124323241342411212434141144422414333132133"
+               "433233432214342311142231232441434232222214342332314341443313411233242212112323321441221212332122433141",
+)
+
+
+def test_adapter_clustering_does_not_pass_an_overdue_head() -> None:
+    """Clustering prefers requests whose adapter runs, but must not pass a queue head past its
+    expected wait: with one seat, each queue's overdue adapter head used to sit out
+    cluster_max_skips admissions, and the long request started only after the stream ended."""
+    names = {".": None, "a": "ada", "b": "bob"}
+    w = OVERDUE_SHORTS
+    arrivals = {k: [request(f"s{k}", [1 + k % 7] * int(n), int(m), names[a], seed=k)]
+                for k, (a, n, m) in enumerate(zip(w["adapters"], w["lens"], w["max_tokens"]))}
+    arrivals[0].append(request("long", [3] * 60, 2, "cat"))
+    clock = FakeClock()
+    sched = build("mlq", 27, clock, max_batched_tokens=13, max_num_seqs=1, cluster_adapters=True,
+                  mlq=MlqConfig(min_fit_samples=4, refit_every=8))
+    engine = TimedEngine(sched, clock)
+    drive(engine, arrivals)
+    assert engine.first_token["long"] <= max(arrivals), engine.first_token["long"]
+    assert_drained(sched)
+
+
 def test_head_of_line_bypass_is_bounded() -> None:
     clock = FakeClock()
     # One queue (no fit); a 20-page pool; page_tokens 4.

@@ -11,8 +11,9 @@ capacity ∝ sqrt(load)), so small requests are not stuck behind large ones yet
 every queue moves. Quota a queue cannot use goes to the others, from the
 highest-priority (smallest-WRS) queue down. A blocked queue head may be
 bypassed only by requests predicted to finish before the head's expected wait
-ends, at most `max_bypass` times; an overdue head is served first and, while
-blocked, reserves the pool (no bypass), so nothing starves.
+ends, at most `max_bypass` times; an overdue head is served first (adapter
+clustering does not pass it) and, while blocked, reserves the pool (no bypass),
+so nothing starves.
 """
 from __future__ import annotations
 
@@ -221,7 +222,7 @@ class MlqScheduler(BaseScheduler):
                 quota -= before - self._budget
         queue = waiting.get(level, [])
         while queue and quota > 0 and self._budget > 0:
-            seq = self._pick(queue)
+            seq = self._next(queue, now)
             n = min(seq.num_uncomputed, quota)
             if self._try_admit(seq, n, now):
                 queue.remove(seq)
@@ -242,6 +243,16 @@ class MlqScheduler(BaseScheduler):
                     prefilling.setdefault(level, []).append(cand)
                     quota -= n
             return
+
+    def _next(self, queue: list[Sequence], now: float) -> Sequence:
+        """The queue's overdue head, else adapter clustering's pick: clustering may pass over
+        a head only until its expected wait ends, or with one seat a stream of base-model
+        requests kept an overdue adapter request out for cluster_max_skips admissions, once
+        per queue it sat in (found by the property tests)."""
+        head = queue[0]
+        if now > self._deadline.get(head.request_id, math.inf):
+            return head
+        return self._pick(queue)
 
     def _try_admit(self, seq: Sequence, n: int, now: float) -> bool:
         head = self._blocked
