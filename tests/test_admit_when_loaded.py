@@ -216,3 +216,24 @@ def test_a_request_that_would_take_the_awaiting_ones_pages_waits_behind_them():
     plan = _step(sched, engine)
     assert [r.request_id for r in plan.rows] == ["long"] and [p.name for p in plan.place] == ["bob"]
     assert engine.seqs["big"].status is SeqStatus.WAITING
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_pass_planned_again_drops_the_reservations_of_the_pass_it_replaces(policy):
+    """A hypothesis example (seed 29): a base request preempts itself for the pages "bob"'s
+    copy holds, so the pass is planned again with nothing running. dLoRA kept the first
+    pass's page reservation for r1, which then no longer fit beside its own hold: idle with
+    four requests queued."""
+    w = {"page_tokens": 1, "max_model_len": 8, "slack": 0, "max_batched_tokens": 4, "max_num_seqs": 2,
+         "cluster": False, "max_loras": 0,
+         "reqs": {0: [request("r0", [0] * 3, 4, ignore_eos=False), request("r2", [0], 1, ignore_eos=False),
+                      request("r3", [0], 1, ignore_eos=False)],
+                  1: [request(f"r{i}", [0] * n, 1, "bob", ignore_eos=False) for i, n in ((1, 4), (4, 2), (5, 1))]}}
+    clock = FakeClock()
+    sched = build_for(policy, w, clock, admit_when_loaded=True)
+    engine = ArrivingEngine(sched, clock, {"ada": 0, "bob": 2, "cat": 0})
+    _drive(engine, w["reqs"])
+    for req in (r for group in w["reqs"].values() for r in group):
+        assert (engine.seqs[req.request_id].output_ids, engine.seqs[req.request_id].finish_reason) == \
+            reference(req, w["max_model_len"]), req.request_id
+    assert_drained(sched)

@@ -183,8 +183,7 @@ class BaseScheduler(ABC):
         if self.admission.default_slo_s is not None or self._own_slo:
             self._early_abort(now)
         self._rows = {}
-        self._awaiting = set()
-        self._held_pages = 0
+        self._forget_awaiting()
         self._budget = self.config.max_batched_tokens
         self.adapters.set_queued(s.req.adapter for s in self.waiting)
         self._plan(now)
@@ -192,6 +191,7 @@ class BaseScheduler(ABC):
             # Nothing runs, so no step will report those loads done: stop waiting for them (a
             # request joins with its adapter still arriving, an eviction waits for the copy).
             self.adapters.set_arriving(())
+            self._forget_awaiting()
             self._plan(now)
         if not self._rows:
             return None
@@ -203,6 +203,13 @@ class BaseScheduler(ABC):
         self._rows = {}
         self._inflight = plan.step_id
         return plan
+
+    def _forget_awaiting(self) -> None:
+        """Start a planning pass with no one waiting for an adapter: a pass planned again must not
+        keep the seats and pages the pass it replaces reserved (the waiting request itself could
+        no longer fit beside its own reservation: dLoRA, found by the property tests)."""
+        self._awaiting = set()
+        self._held_pages = 0
 
     def _prefetch(self) -> None:
         """Place adapters that queued requests will need into free pages, keeping what the head

@@ -103,6 +103,7 @@ class DloraScheduler(BaseScheduler):
         self._plan_mode()
         if not self._rows and self.merged is not None:  # the merged adapter cannot move: let the rest run
             self._switch(None, "idle")
+            self._forget_awaiting()
             self._plan_mode()
 
     def _plan_mode(self) -> None:
