@@ -20,8 +20,8 @@ cost/lru and cost/none (and each POLICY/POLICY+stall pair run). Cold requests wa
 queue while their adapter is copied (scheduler.admit_when_loaded, the default); a
 `POLICY+stall` variant turns that off, so the step that admits them waits for the copy. The
 workload's adapters map onto the live ones by popularity (loadgen); ranks are drawn
-independently of it. `--json` prints one JSON object on stdout;
-progress goes to stderr.
+independently of it. `--model DIR --device cuda --throttle-bytes-s 0` runs the same on a GPU
+host with a real model. `--json` prints one JSON object on stdout; progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -130,8 +130,12 @@ def run(args: argparse.Namespace) -> dict:
     from loraplex.gpu_engine.demo import ensure_demo_model
     from loraplex.gpu_engine.demo.model import demo_model_config
 
-    demo = ensure_demo_model()
-    model_config = demo_model_config()
+    if args.model is None:
+        model_dir = ensure_demo_model().model_dir
+        model_config = demo_model_config()
+    else:
+        model_dir = args.model
+        model_config = json.loads((model_dir / "config.json").read_text())
     vocab = int(model_config["vocab_size"])
     specs = [WorkloadSpec(seed=args.seed, duration_s=args.duration, max_requests=args.max_requests, rate_rps=rate,
                           num_adapters=args.adapters, zipf_exponent=args.zipf, prompt_mean=args.prompt_mean,
@@ -147,12 +151,15 @@ def run(args: argparse.Namespace) -> dict:
         geometry, pages = adapter_pages(model_config, ranks)
         num_pages = args.num_pages or pool_size(geometry, pages, args.pool_fraction,
                                                 args.max_prompt + args.max_output)
-        serve = ["--model", str(demo.model_dir), "--num-pages", str(num_pages), "--max-num-seqs", str(MAX_NUM_SEQS),
-                 "--adapter-load-mode", "on_demand", "--device", "cpu"]
+        serve = ["--model", str(model_dir), "--num-pages", str(num_pages), "--max-num-seqs", str(MAX_NUM_SEQS),
+                 "--adapter-load-mode", "on_demand", "--device", args.device]
         for name, (path, _) in adapters.items():
             serve += ["--adapter", f"{name}={path}"]
         # The daemon reads model.load_throttle_bytes_s from its environment (LORAPLEX_MODEL_*).
-        os.environ["LORAPLEX_MODEL_LOAD_THROTTLE_BYTES_S"] = str(args.throttle_bytes_s)
+        if args.throttle_bytes_s:
+            os.environ["LORAPLEX_MODEL_LOAD_THROTTLE_BYTES_S"] = str(args.throttle_bytes_s)
+        else:  # the real link (the throttle only acts on CPU)
+            os.environ.pop("LORAPLEX_MODEL_LOAD_THROTTLE_BYTES_S", None)
         if args.engine_threads:
             # On a shared 2-core host, torch's OpenMP threads spin against other processes and
             # single steps of the tiny model stall for seconds; one thread keeps TTFT about policy.
@@ -203,6 +210,8 @@ def run(args: argparse.Namespace) -> dict:
                    "max_requests": args.max_requests, "prompt_mean": args.prompt_mean,
                    "output_mean": args.output_mean, "throttle_bytes_s": args.throttle_bytes_s,
                    "engine_threads": args.engine_threads, "policies": args.policies, "seed": args.seed,
+                   "model": str(model_dir), "hidden_size": model_config["hidden_size"],
+                   "num_hidden_layers": model_config["num_hidden_layers"],
                    "serve_args": serve[:serve.index("--adapter")]},
         "results": table,
         "daemon_exit": exits,
@@ -210,7 +219,7 @@ def run(args: argparse.Namespace) -> dict:
                     if {"cost", "lru"} <= set(args.policies) else None,
                     "cost_p99_le_half_none_at_highest_rate": top.get("cost_over_none", 2.0) <= 0.5
                     if {"cost", "none"} <= set(args.policies) else None},
-        "environment": {"device": "cpu", "cpu_count": os.cpu_count(), "python": platform.python_version(),
+        "environment": {"device": args.device, "cpu_count": os.cpu_count(), "python": platform.python_version(),
                         "loadavg_1m_before": loadavg_before, "loadavg_1m_after": os.getloadavg()[0]},
     }
 
@@ -231,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="share of all adapter pages the pool holds besides KV (default 0.3)")
     parser.add_argument("--num-pages", type=int, default=None, help="pool size in pages (overrides --pool-fraction)")
     parser.add_argument("--throttle-bytes-s", type=float, default=2e8,
-                        help="adapter load bandwidth (default 2e8: a rank-128 adapter ~50 ms, rank 8 ~3 ms)")
+                        help="adapter load bandwidth on CPU (default 2e8: a rank-128 adapter of the demo model "
+                             "~50 ms, rank 8 ~3 ms); 0: no throttle (on a GPU, the real link)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a Llama-family model directory to serve (default: the built-in demo model); "
+                             "the adapters are written for its shapes")
+    parser.add_argument("--device", default="cpu", help="the daemon's --device (default cpu; cuda on a GPU host)")
     parser.add_argument("--engine-threads", type=int, default=1,
                         help="OMP_NUM_THREADS of the daemon's processes (default 1; 0: inherit)")
     parser.add_argument("--prompt-mean", type=int, default=32)
@@ -250,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     args.rates = sorted(float(r) for r in args.rates.split(",") if r)
     if not args.policies or not args.rates or min(args.rates) <= 0 or args.adapters < 1 or args.rounds < 1:
         parser.error("need at least one policy, positive rates, >= 1 adapter and >= 1 round")
+    if args.throttle_bytes_s < 0:
+        parser.error("--throttle-bytes-s must be >= 0 (0: no throttle)")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there")
     report = run(args)
     if args.json:
         print(json.dumps(report))

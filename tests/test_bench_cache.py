@@ -115,16 +115,28 @@ def test_live_policy_variants_name_a_policy_and_optionally_the_stalling_admissio
     assert proc.returncode == 2 and "cost+slow" in proc.stderr
 
 
+@pytest.mark.parametrize("args, complaint", [
+    (["--model", "/nonexistent/model"], "no config.json"),
+    (["--throttle-bytes-s", "-1"], "throttle-bytes-s"),
+])
+def test_live_rejects_a_model_without_config_and_a_negative_throttle(args, complaint) -> None:
+    proc = subprocess.run([sys.executable, str(LIVE), *args], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and complaint in proc.stderr
+
+
 @pytest.mark.slow  # two daemon start-ups: ~30 s on a busy 2-core host
 def test_live_smoke_lru_hits_more_than_none(demo) -> None:
     """Two daemons (none, lru), one light load, a steep Zipf: none frees each adapter when its
-    last request ends, lru keeps it, so lru must hit strictly more often."""
+    last request ends, lru keeps it, so lru must hit strictly more often. The model is named
+    with --model, as on a GPU host, and the link is not throttled."""
     proc = subprocess.run([sys.executable, str(LIVE), "--json", "--policies", "none,lru", "--rates", "6",
-                           "--duration", "60", "--max-requests", "14", "--adapters", "6", "--zipf", "2.0"],
+                           "--duration", "60", "--max-requests", "14", "--adapters", "6", "--zipf", "2.0",
+                           "--model", str(demo.model_dir), "--throttle-bytes-s", "0"],
                           capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["benchmark"] == "cache_live"
+    assert report["config"]["model"] == str(demo.model_dir) and report["config"]["throttle_bytes_s"] == 0
     assert len(report["config"]["ranks"]) == 6 and set(report["config"]["ranks"].values()) <= {8, 16, 32, 64, 128}
     (row,) = report["results"]
     assert row["rate_rps"] == 6.0 and tuple(row["policies"]) == ("none", "lru")
