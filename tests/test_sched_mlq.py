@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -117,33 +118,52 @@ def test_long_requests_are_not_starved_by_a_stream_of_short_ones(w) -> None:
     assert_drained(sched)
 
 
-# A hypothesis example (seed 11): a base-model or adapter short request every step, with its
-# prompt length and max_tokens; one 60-token "cat" request first; one seat, clustering on.
-OVERDUE_SHORTS = dict(
-    adapters="......b.....a..b............b.a..a......b...a......b.baab.b.a..bbab..abab.b....a.a....abb..a.ab."
-             "baba.ab.a.aabbb.aab..bba...a...aabbb....babaabb.aaba.abaaa.a..ab.ba.b..aab.babb.bbab.bab.bba..bbb.b.a.b.",
-    lens="42112323112344341122411441124121424221114441141312413432134444113211442321124311121113112134341144"
-         "114413142124421323224412331211242144133231444421113412344114231444113132442441422414444144141124114231",
-    max_tokens="32444414311214412314344232413241244442333213444134111213124323241342411212434141144422414333132133"
-               "433233432214342311142231232441434232222214342332314341443313411233242212112323321441221212332122433141",
-)
-
-
-def test_adapter_clustering_does_not_pass_an_overdue_head() -> None:
-    """Clustering prefers requests whose adapter runs, but must not pass a queue head past its
-    expected wait: with one seat, each queue's overdue adapter head used to sit out
-    cluster_max_skips admissions, and the long request started only after the stream ended."""
+def _stream(adapters: str, lens: str, max_tokens: str) -> dict[int, list]:
+    """One short request per step: its adapter (. a b), prompt length and max_tokens."""
     names = {".": None, "a": "ada", "b": "bob"}
-    w = OVERDUE_SHORTS
-    arrivals = {k: [request(f"s{k}", [1 + k % 7] * int(n), int(m), names[a], seed=k)]
-                for k, (a, n, m) in enumerate(zip(w["adapters"], w["lens"], w["max_tokens"]))}
-    arrivals[0].append(request("long", [3] * 60, 2, "cat"))
+    return {k: [request(f"s{k}", [1 + k % 7] * int(n), int(m), names[a], seed=k)]
+            for k, (a, n, m) in enumerate(zip(adapters, lens, max_tokens))}
+
+
+# Hypothesis examples of test_long_requests_are_not_starved_by_a_stream_of_short_ones, kept whole:
+# the long requests (prompt length, max_tokens, adapter), the stream, and the scheduler's limits.
+STARVED = {
+    # Clustering passed the overdue "cat" head, once per queue it was refitted into (step 226).
+    "seed11_clustering": dict(
+        longs=[(60, 2, "cat")], num_pages=27, max_batched_tokens=13, stream=_stream(
+            "......b.....a..b............b.a..a......b...a......b.baab.b.a..bbab..abab.b....a.a....abb..a.ab."
+            "baba.ab.a.aabbb.aab..bba...a...aabbb....babaabb.aaba.abaaa.a..ab.ba.b..aab.babb.bbab.bab.bba..bbb.b.a.b.",
+            "42112323112344341122411441124121424221114441141312413432134444113211442321124311121113112134341144"
+            "114413142124421323224412331211242144133231444421113412344114231444113132442441422414444144141124114231",
+            "32444414311214412314344232413241244442333213444134111213124323241342411212434141144422414333132133"
+            "433233432214342311142231232441434232222214342332314341443313411233242212112323321441221212332122433141")),
+    # Its deadline, set before the step-cost model had seen a step, was 5x too late (step 208).
+    "seed106_prior_deadline": dict(
+        longs=[(45, 4, None), (60, 5, "cat")], num_pages=20, max_batched_tokens=4, stream=_stream(
+            ".....aa.babb.b..a.....bbbbbb.aa.....a.babbbbbbba..ab.a.a.aaab....aa.b..b.bab.a...baabbaa.aabab.aaabb.ab"
+            "..bb.b.a.b.abb..a......baab..babaabaab...ab..b.....a.aababaabba.ab.ba....baa..aaab.aab..ab.bb...b",
+            "42411342114124414313142141424114344414144414414134214124124313441324424244423443412411222343433412"
+            "142314144241244421214111111112111214432242423412133144331444141141223442142343144111224442222311124313",
+            "13441213144222241123341242342431134321413432412242241222234211144113441411341334342241134232231432"
+            "123321134422434424212311111132312434244231122341433232143422113224312133341443412243112221212131412413")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STARVED))
+def test_long_requests_start_while_the_stream_still_arrives(name) -> None:
+    """One seat, adapter clustering on, a short request every step: each long request must start
+    before the stream ends, as the property test asks."""
+    w = STARVED[name]
+    arrivals = {k: list(v) for k, v in w["stream"].items()}
+    longs = [request(f"long{i}", [3] * n, m, adapter, seed=i) for i, (n, m, adapter) in enumerate(w["longs"])]
+    arrivals[0].extend(longs)
     clock = FakeClock()
-    sched = build("mlq", 27, clock, max_batched_tokens=13, max_num_seqs=1, cluster_adapters=True,
-                  mlq=MlqConfig(min_fit_samples=4, refit_every=8))
+    sched = build("mlq", w["num_pages"], clock, max_batched_tokens=w["max_batched_tokens"], max_num_seqs=1,
+                  cluster_adapters=True, mlq=MlqConfig(min_fit_samples=4, refit_every=8))
     engine = TimedEngine(sched, clock)
     drive(engine, arrivals)
-    assert engine.first_token["long"] <= max(arrivals), engine.first_token["long"]
+    for req in longs:
+        assert engine.first_token[req.request_id] <= max(arrivals), (req.request_id, engine.first_token)
     assert_drained(sched)
 
 

@@ -85,6 +85,7 @@ class MlqScheduler(BaseScheduler):
         self._since_fit = 0
         self._level: dict[str, int] = {}
         self._deadline: dict[str, float] = {}  # when a queued request's expected wait ends
+        self._wait_steps: dict[str, float] = {}  # its expected wait in full steps, as seen at its arrival
         self._bypassed: dict[str, int] = {}
         self._blocked: Sequence | None = None  # first blocked head of this iteration
 
@@ -118,14 +119,22 @@ class MlqScheduler(BaseScheduler):
         level = self._level[seq.request_id]
         ahead = sum(s.num_uncomputed for s in self.waiting
                     if s is not seq and self._level.get(s.request_id) == level)
-        self._deadline[seq.request_id] = seq.arrival + self._expected_wait(level, ahead + seq.num_uncomputed)
+        self._wait_steps[seq.request_id] = self._expected_steps(level, ahead + seq.num_uncomputed)
+        self._set_deadline(seq)
 
-    def _expected_wait(self, level: int, tokens: int) -> float:
-        """Fluid-queue wait: the queue drains `tokens` at its share of the step capacity."""
+    def _expected_steps(self, level: int, tokens: int) -> float:
+        """Fluid-queue wait in full steps: the queue drains `tokens` at its share of each step."""
         full = self.config.max_batched_tokens
-        step_s = self.cost.predict_s(full)
-        rate = max(1e-9, self.shares[min(level, len(self.shares) - 1)] * full / step_s)
-        return max(step_s, tokens / rate)
+        return max(1.0, tokens / max(1e-9, self.shares[min(level, len(self.shares) - 1)] * full))
+
+    def _set_deadline(self, seq: Sequence) -> None:
+        """Arrival plus its expected wait at the current estimate of a full step's duration.
+        Re-set at every refit, so a request that arrived while the cost model still held its
+        prior does not keep the deadline the prior made (5x too late in the property tests:
+        every request of a stream arriving after it went first). The wait in steps stays as
+        seen at arrival, so later refits of the queue shares cannot push a deadline out."""
+        step_s = self.cost.predict_s(self.config.max_batched_tokens)
+        self._deadline[seq.request_id] = seq.arrival + self._wait_steps[seq.request_id] * step_s
 
     def _refit(self) -> None:
         self._since_fit = 0
@@ -144,6 +153,8 @@ class MlqScheduler(BaseScheduler):
         self.fits += 1
         for seq in list(self.waiting) + self.running:
             self._classify(seq)
+            if seq.status is SeqStatus.WAITING and seq.request_id in self._wait_steps:
+                self._set_deadline(seq)
 
     def _utilization(self, samples: list[tuple[float, int, int, int]]) -> float:
         span = samples[-1][0] - samples[0][0]
@@ -280,7 +291,7 @@ class MlqScheduler(BaseScheduler):
 
     def _on_finish(self, seq: Sequence) -> None:
         rid = seq.request_id
-        for table in (self._level, self._deadline, self._bypassed):
+        for table in (self._level, self._deadline, self._wait_steps, self._bypassed):
             table.pop(rid, None)
         if self._blocked is seq:
             self._blocked = None
