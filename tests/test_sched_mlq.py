@@ -137,7 +137,7 @@ STARVED = {
             "114413142124421323224412331211242144133231444421113412344114231444113132442441422414444144141124114231",
             "32444414311214412314344232413241244442333213444134111213124323241342411212434141144422414333132133"
             "433233432214342311142231232441434232222214342332314341443313411233242212112323321441221212332122433141")),
-    # Its deadline, set before the step-cost model had seen a step, was 5x too late (step 208).
+    # Its deadline, set before the step-cost model had seen a step, was 4x too late (step 208).
     "seed106_prior_deadline": dict(
         longs=[(45, 4, None), (60, 5, "cat")], num_pages=20, max_batched_tokens=4, stream=_stream(
             ".....aa.babb.b..a.....bbbbbb.aa.....a.babbbbbbba..ab.a.a.aaab....aa.b..b.bab.a...baabbaa.aabab.aaabb.ab"

@@ -130,7 +130,7 @@ class MlqScheduler(BaseScheduler):
     def _set_deadline(self, seq: Sequence) -> None:
         """Arrival plus its expected wait at the current estimate of a full step's duration.
         Re-set at every refit, so a request that arrived while the cost model still held its
-        prior does not keep the deadline the prior made (5x too late in the property tests:
+        prior does not keep the deadline the prior made (4x too late in the property tests:
         every request of a stream arriving after it went first). The wait in steps stays as
         seen at arrival, so later refits of the queue shares cannot push a deadline out."""
         step_s = self.cost.predict_s(self.config.max_batched_tokens)
