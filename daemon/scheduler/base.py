@@ -277,7 +277,7 @@ class BaseScheduler(ABC):
         if adapter is not None and self._must_await_load(adapter):
             if self.adapters.place_ahead(adapter, self._adapter_pages(adapter), self.config.load_groups):
                 self._awaiting.add(seq.request_id)
-                self._held_pages += self.geometry.kv_pages_for(seq.num_computed + n) - len(seq.kv_pages)
+                self._held_pages += self._chunk_kv_pages(seq, n)
                 seq.waited_for_adapter = True
             return False
         if adapter is not None and not self.adapters.acquire(adapter, self._adapter_pages(adapter),
@@ -341,6 +341,10 @@ class BaseScheduler(ABC):
             need += self._adapter_pages(adapter)
         return need
 
+    def _chunk_kv_pages(self, seq: Sequence, n: int) -> int:
+        """KV pages `seq` lacks to compute its next `n` tokens."""
+        return self.geometry.kv_pages_for(seq.num_computed + n) - len(seq.kv_pages)
+
     def awaiting_load(self, seq: Sequence) -> bool:
         """This plan left `seq` queued only because its adapter is still arriving: the policy
         may admit the requests behind it (the wait is the copy's, not a lack of resources)."""
@@ -396,7 +400,7 @@ class BaseScheduler(ABC):
         self._budget -= n
 
     def _grow_kv(self, seq: Sequence, n: int, *, allow_preempt: bool) -> bool:
-        need = self.geometry.kv_pages_for(seq.num_computed + n) - len(seq.kv_pages)
+        need = self._chunk_kv_pages(seq, n)
         while need > 0 and not self.adapters.make_room(need):
             if not allow_preempt:
                 return False
