@@ -202,7 +202,7 @@ class MlqScheduler(BaseScheduler):
         for level in levels:
             queue = waiting.get(level)
             if queue:
-                overdue = now - self._deadline.get(queue[0].request_id, now)
+                overdue = self._overdue_s(queue[0], now)
                 if overdue > 0:
                     late.append((-overdue, level))
         first = [level for _, level in sorted(late)]
@@ -261,9 +261,11 @@ class MlqScheduler(BaseScheduler):
         requests kept an overdue adapter request out for cluster_max_skips admissions, once
         per queue it sat in (found by the property tests)."""
         head = queue[0]
-        if now > self._deadline.get(head.request_id, math.inf):
-            return head
-        return self._pick(queue)
+        return head if self._overdue_s(head, now) > 0 else self._pick(queue)
+
+    def _overdue_s(self, seq: Sequence, now: float) -> float:
+        """How far past its expected wait a queued request is (<= 0: not yet)."""
+        return now - self._deadline.get(seq.request_id, now)
 
     def _try_admit(self, seq: Sequence, n: int, now: float) -> bool:
         head = self._blocked
