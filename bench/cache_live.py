@@ -266,8 +266,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need at least one policy, positive rates, >= 1 adapter and >= 1 round")
     if args.throttle_bytes_s < 0:
         parser.error("--throttle-bytes-s must be >= 0 (0: no throttle)")
-    if args.model is not None and not (args.model / "config.json").is_file():
-        parser.error(f"--model {args.model}: no config.json there")
+    if args.model is not None:
+        from loraplex.gpu_engine.model.config import ModelConfig
+
+        try:  # the engine's own check, before any daemon starts
+            ModelConfig.from_dir(args.model)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--model {args.model}: {exc}")
     report = run(args)
     if args.json:
         print(json.dumps(report))
