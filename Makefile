@@ -11,7 +11,7 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 TORCH_CPU_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: run demo test venv bench clean
+.PHONY: run demo test venv bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ test: venv
 
 bench: venv
 	$(PY) bench/engine_throughput.py --json
+
+# The GPU validation's four stages (bench/README.md, "GPU validation"); a dry run at toy size without a GPU.
+GPU_CHECK_OUT ?= bench/out/gpu
+gpu-check: venv
+	$(PY) bench/gpu_check.py --stage all --out $(GPU_CHECK_OUT) $(if $(HAS_GPU),,--dry-run)
 
 clean:
 	rm -rf $(VENV) build *.egg-info loraplex/_C*.so

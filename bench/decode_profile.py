@@ -34,29 +34,20 @@ import torch
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.scheduler.fcfs import FcfsScheduler, SchedulerConfig
 from loraplex.daemon.scheduler.sequence import SeqRequest
-from loraplex.gpu_engine.demo.checkpoint import llama_config
 from loraplex.gpu_engine.executor import Executor
 from loraplex.gpu_engine.lora.peft_adapter import AdapterSpec, HostAdapter
 from loraplex.gpu_engine.model.config import ModelConfig
-from loraplex.gpu_engine.model.weights import LayerWeights, ModelWeights
+from loraplex.gpu_engine.model.weights import random_weights
 from loraplex.daemon.memory.geometry import PageGeometry
+from model_shapes import add_model_args, resolve_model_args, shape_config
 from loraplex.ipc.engine_plan import SamplingSpec, StepPlan
 
-SHAPES = {
-    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=512),
-    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=32, head_dim=128, vocab_size=32000),
-}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    add_model_args(p)
     p.add_argument("--backend", choices=("torch", "triton"), default=None,
                    help="LoRA backend (default: triton on cuda, torch on cpu)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32, 64])
@@ -69,10 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="off",
                    help="replay decode steps as CUDA graphs (CUDA + triton backend only; eager elsewhere)")
     p.add_argument("--profile-out", type=Path, default=None, help="write the fitted PerfProfile JSON here")
+    p.add_argument("--no-fit", action="store_true", help="only the base vs many-adapter overhead, no fitted models")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    resolve_model_args(args)
     args.backend = args.backend or ("triton" if args.device.startswith("cuda") else "torch")
     return args
 
@@ -109,26 +100,15 @@ class Engine:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.device, self.dtype = torch.device(args.device), DTYPES[args.dtype]
-        self.cfg = ModelConfig.from_hf(llama_config(**SHAPES[args.shape]))
+        self.device, self.dtype = resolve_model_args(args)
+        self.cfg = ModelConfig.from_hf(shape_config(args.shape))
         torch.manual_seed(0)
-
-        def rand(*shape: int, std: float) -> torch.Tensor:
-            return (torch.randn(*shape, device=self.device, dtype=torch.float32) * std).to(self.dtype)
-
-        def ones() -> torch.Tensor:
-            return torch.ones(self.cfg.hidden_size, device=self.device, dtype=self.dtype)
-
+        weights = random_weights(self.cfg, device=self.device, dtype=self.dtype)
         shapes = self.cfg.module_shapes()
-        layers = [LayerWeights(input_norm=ones(), post_norm=ones(),
-                               proj={n: rand(fo, fi, std=fi ** -0.5) for n, (fi, fo) in shapes.items()}, bias={})
-                  for _ in range(self.cfg.num_layers)]
-        weights = ModelWeights(embed=rand(self.cfg.vocab_size, self.cfg.hidden_size, std=1.0), layers=layers,
-                               norm=ones(), lm_head=rand(self.cfg.vocab_size, self.cfg.hidden_size, std=0.02))
         self.geometry = PageGeometry.for_model(shapes, self.cfg.kv_dim, None)
         # Adapters: `distinct` of the overhead rank, and `fit_distinct` per rank for the fits.
         self.overhead_names = [f"o{i}" for i in range(args.distinct)]
-        self.by_rank = {r: [f"r{r}-{i}" for i in range(args.fit_distinct)] for r in args.ranks}
+        self.by_rank = {} if args.no_fit else {r: [f"r{r}-{i}" for i in range(args.fit_distinct)] for r in args.ranks}
         specs = [(n, args.overhead_rank) for n in self.overhead_names] + \
             [(n, r) for r, names in self.by_rank.items() for n in names]
         kv_pages = max(args.batches) * self.geometry.kv_pages_for(args.context + args.steps + 8)
@@ -204,6 +184,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["overhead"] = {"batch": batch, "distinct_adapters": len(set(names)), "rank": args.overhead_rank,
                           "base_step_ms": base, "lora_step_ms": lora, "overhead_pct": (lora / base - 1.0) * 100.0}
     log(f"batch {batch}: base {base:.2f} ms, {len(set(names))} adapters {lora:.2f} ms")
+    if args.no_fit:
+        return report
     samples: dict[str, list[dict[str, Any]]] = {"bgmv": [], "mbgmv": []}
     by_rank = engine.by_rank
     mixes = [[r] for r in args.ranks] + [list(args.ranks)]
@@ -249,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{report['shape']} on {report['gpu'] or report['cpu']} ({report['dtype']}, {report['backend']}, {graphs})")
     print(f"decode step, batch {o['batch']}: base {o['base_step_ms']:.2f} ms, {o['distinct_adapters']} adapters "
           f"{o['lora_step_ms']:.2f} ms (+{o['overhead_pct']:.1f}%)")
-    for kernel, fit in report["fits"].items():
+    for kernel, fit in report.get("fits", {}).items():
         print(f"PERF_{kernel.upper()}: alpha {fit['alpha']:.5f} ms, beta {fit['beta']:.3f} ms, R² {fit['r2']:.3f}")
     return 0
 

@@ -1,6 +1,9 @@
 """Kernel microbenchmarks: BGMV / MBGMV effective bandwidth against a measured
-device-to-device copy and a torch gather+bmm baseline, SGMV TFLOP/s, and paged
-decode attention time.
+device-to-device copy and a torch gather+bmm baseline, SGMV TFLOP/s, and the
+paged attention kernels (decode and prefill) against their roofline (KV bytes
+over the measured copy bandwidth; FLOPs over a measured dense matmul) and
+against torch's fused SDPA on contiguous KV of the same shapes, which is what
+reading KV through the unified pool's page tables costs.
 
 GPU figures come from a CUDA run (`--device cuda`); `--device cpu --interpret
 --small` runs the same code under Triton's interpreter at tiny sizes, for smoke
@@ -168,7 +171,23 @@ class Bench:
             res[f"{name}_s"], res[f"{name}_tflop_s"] = seconds, flops / seconds / 1e12
         return res
 
-    def decode(self, batch: int, context: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, Any]:
+    def matmul_tflop_s(self) -> float:
+        """Dense matmul throughput at this dtype: the compute roof of prefill attention."""
+        n = 256 if self.args.small else 8192
+        a = self.torch.randn(n, n, device=self.device).to(self.dtype)
+        b = self.torch.randn(n, n, device=self.device).to(self.dtype)
+        return 2 * n ** 3 / self.time(lambda: a @ b) / 1e12
+
+    def sdpa_s(self, q, k, v, *, causal: bool) -> float:
+        """torch's fused SDPA on contiguous KV. q: [B, H, Lq, D]; k, v: [B, KVH, Lk, D]."""
+        f = self.torch.nn.functional.scaled_dot_product_attention
+        group = q.shape[1] // k.shape[1]
+        if group > 1:  # older torch has no enable_gqa: expand the KV heads once, outside the timing
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return self.time(lambda: f(q, k, v, is_causal=causal))
+
+    def decode(self, batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
+               copy_gb_s: float) -> dict[str, Any]:
         from loraplex.kernels.paged_attention_decode import paged_decode_attention
         from loraplex.kernels.paged_kv import build_rows
 
@@ -181,9 +200,34 @@ class Bench:
         out = torch.empty_like(q)
         seconds = self.time(lambda: paged_decode_attention(q, kv, rows, num_kv_heads=kv_heads, page_tokens=pt,
                                                            out=out))
+        k, v = (torch.randn(batch, kv_heads, context, head_dim, device=self.device).to(self.dtype) for _ in range(2))
+        sdpa = self.sdpa_s(q[:, :, None, :], k, v, causal=False)
         kv_bytes = batch * context * 2 * kv_heads * head_dim * self.elem
+        roof = kv_bytes / (copy_gb_s * 1e9)  # decode reads all KV once: bandwidth-bound
         return {"batch": batch, "context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-                "page_tokens": pt, "s": seconds, "kv_gb_s": kv_bytes / seconds / 1e9}
+                "page_tokens": pt, "s": seconds, "kv_gb_s": kv_bytes / seconds / 1e9, "sdpa_s": sdpa,
+                "roofline_s": roof, "frac_of_roofline": roof / seconds, "paged_over_sdpa": seconds / sdpa}
+
+    def prefill(self, seqs: int, prompt: int, heads: int, kv_heads: int, head_dim: int,
+                tflop_s: float) -> dict[str, Any]:
+        from loraplex.kernels.paged_attention_prefill import paged_prefill_attention
+        from loraplex.kernels.paged_kv import build_rows
+
+        torch, pt = self.torch, 16
+        per_row = -(-prompt // pt)
+        pages = torch.randperm(seqs * per_row).view(seqs, per_row).tolist()
+        kv = torch.randn(seqs * per_row, pt * 2 * kv_heads * head_dim, device=self.device).to(self.dtype)
+        rows = build_rows([(i * prompt, prompt, 0, pages[i]) for i in range(seqs)], self.device)
+        q = torch.randn(seqs * prompt, heads, head_dim, device=self.device).to(self.dtype)  # [T, H, D]
+        seconds = self.time(lambda: paged_prefill_attention(q, kv, rows, num_kv_heads=kv_heads, page_tokens=pt))
+        qc = q.view(seqs, prompt, heads, head_dim).transpose(1, 2)
+        k, v = (torch.randn(seqs, kv_heads, prompt, head_dim, device=self.device).to(self.dtype) for _ in range(2))
+        sdpa = self.sdpa_s(qc, k, v, causal=True)
+        flops = 4 * seqs * heads * head_dim * prompt * (prompt + 1) / 2  # QK^T and PV over the causal half
+        roof = flops / (tflop_s * 1e12)
+        return {"seqs": seqs, "prompt": prompt, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+                "page_tokens": pt, "s": seconds, "tflop_s": flops / seconds / 1e12, "sdpa_s": sdpa,
+                "roofline_s": roof, "frac_of_roofline": roof / seconds, "paged_over_sdpa": seconds / sdpa}
 
 
 def environment(bench: Bench) -> dict[str, Any]:
@@ -227,7 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     report["sgmv"] = [bench.sgmv(*case) for case in sgmv_cases]
     decode_cases = [(2, 24, 4, 2, 16)] if args.small else [(1, 4096, 32, 8, 128), (16, 1024, 32, 8, 128),
                                                            (64, 1024, 32, 8, 128), (64, 4096, 32, 8, 128)]
-    report["attention_decode"] = [bench.decode(*case) for case in decode_cases]
+    report["attention_decode"] = [bench.decode(*case, report["copy_gb_s"]) for case in decode_cases]
+    report["matmul_tflop_s"] = bench.matmul_tflop_s()
+    prefill_cases = [(2, 12, 4, 2, 16)] if args.small else [(1, 4096, 32, 8, 128), (4, 1024, 32, 8, 128),
+                                                            (16, 512, 32, 32, 128)]
+    report["attention_prefill"] = []
+    for case in prefill_cases:
+        log(f"prefill attention {case[0]} x {case[1]} tokens")
+        report["attention_prefill"].append(bench.prefill(*case, report["matmul_tflop_s"]))
     if args.json:
         print(json.dumps(report, allow_nan=False))
     else:
@@ -248,7 +299,11 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"sgmv {r['segments']}x{r['tokens'] // r['segments']} tokens rank {r['rank']}: "
               f"{r['sgmv_tflop_s']:.2f} TFLOP/s (torch gather+bmm {r['torch_tflop_s']:.2f})")
     for r in report["attention_decode"]:
-        print(f"decode batch {r['batch']} context {r['context']}: {r['s'] * 1e3:.3f} ms, KV {r['kv_gb_s']:.1f} GB/s")
+        print(f"decode batch {r['batch']} context {r['context']}: {r['s'] * 1e3:.3f} ms, KV {r['kv_gb_s']:.1f} GB/s, "
+              f"{r['frac_of_roofline']:.2f} of roofline, {r['paged_over_sdpa']:.2f}x SDPA")
+    for r in report["attention_prefill"]:
+        print(f"prefill {r['seqs']} x {r['prompt']}: {r['s'] * 1e3:.3f} ms, {r['tflop_s']:.1f} TFLOP/s, "
+              f"{r['frac_of_roofline']:.2f} of roofline, {r['paged_over_sdpa']:.2f}x SDPA")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 LORA_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 CACHE_POLICIES: tuple[str, ...] = ("none", "lru", "fifo", "cost")
 ADAPTER_LOAD_MODES: tuple[str, ...] = ("auto", "cached", "on_demand", "cpu_assist")
+LOAD_FORMATS: tuple[str, ...] = ("safetensors", "dummy")  # as loraplex.gpu_engine.model.weights (torch-free here)
 # Same value as loraplex.ipc.codec.DEFAULT_MAX_MESSAGE_BYTES (not imported: that pulls in zmq).
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 _TCP_ENDPOINT = re.compile(r"tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})")
@@ -106,6 +107,9 @@ class ModelSettings(_Section):
 
     model: str | None = field(default=None, metadata=_help(
         "Base model directory (HF layout); unset = the built-in demo model.", "/srv/models/llama"))
+    load_format: str = field(default="safetensors", metadata=_help(
+        "safetensors (the checkpoint), or dummy: random weights from config.json alone, for benchmarks at "
+        "real model sizes with nothing to download (outputs are meaningless)."))
     device: str = field(default="auto", metadata=_help("auto (cuda if available, else cpu), cpu, cuda or cuda:N."))
     dtype: str = field(default="auto", metadata=_help("Weight and activation dtype: auto, float32, bfloat16, float16."))
     max_lora_rank: int = field(default=256, metadata=_help("Largest adapter rank accepted; larger ones are refused."))
@@ -143,6 +147,7 @@ class ModelSettings(_Section):
             raise ConfigError("model.model must be a non-empty path (or unset for the demo model)", "model.model")
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N; got {self.device!r}", "model.device")
+        self._choice("load_format", LOAD_FORMATS)
         self._choice("dtype", DTYPES)
         self._choice("lora_backend", LORA_BACKENDS)
         self._positive("max_lora_rank")

@@ -44,9 +44,9 @@ class LLM:
                  max_batched_tokens: int = 2048, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.9, load_groups: int = 1,
                  load_throttle_bytes_s: float | None = None, cuda_graphs: bool = True,
-                 admit_when_loaded: bool = False) -> None:
+                 admit_when_loaded: bool = False, load_format: str = "safetensors") -> None:
         runtime = build_runtime(EngineSpec(
-            model=None if model is None else str(model), device=device, dtype=dtype, max_lora_rank=max_lora_rank,
+            model=None if model is None else str(model), load_format=load_format, device=device, dtype=dtype, max_lora_rank=max_lora_rank,
             lora_backend=lora_backend, num_pages=num_pages, pool_bytes=pool_bytes, page_tokens=page_tokens,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             load_throttle_bytes_s=load_throttle_bytes_s, cuda_graphs=cuda_graphs,

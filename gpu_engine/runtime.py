@@ -16,7 +16,7 @@ from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.gpu_engine.executor import Executor
 from loraplex.gpu_engine.lora.backend import LORA_BACKENDS
 from loraplex.gpu_engine.model.config import ModelConfig
-from loraplex.gpu_engine.model.weights import load_weights
+from loraplex.gpu_engine.model.weights import LOAD_FORMATS, load_weights, random_weights
 from loraplex.gpu_engine.pool import UnifiedPool
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -27,6 +27,7 @@ DEFAULT_GRAPH_BATCH = 64  # largest captured decode batch when the caller does n
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
     model: str | None = None  # None = the built-in demo model
+    load_format: str = "safetensors"  # or dummy: random weights from config.json alone (benchmarks)
     device: str = "cpu"  # cpu, cuda, cuda:N or auto
     dtype: str = "float32"  # or auto: bfloat16 on CUDA, float32 on CPU
     max_lora_rank: int = 256
@@ -74,6 +75,8 @@ class EngineSpec:
             from loraplex.gpu_engine.demo import builtin_demo
 
             model = str(builtin_demo().model_dir)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         mode = self.adapter_load_mode
         if mode == "auto":
             mode = "cpu_assist" if device.startswith("cuda") else "on_demand"
@@ -104,7 +107,8 @@ def build_runtime(spec: EngineSpec, *, max_num_seqs: int | None = None) -> Engin
     model_dir = Path(spec.model or "")
     device, dtype = torch.device(spec.device), DTYPES[spec.dtype]
     config = ModelConfig.from_dir(model_dir)
-    weights = load_weights(model_dir, config, device=device, dtype=dtype)
+    weights = random_weights(config, device=device, dtype=dtype) if spec.load_format == "dummy" \
+        else load_weights(model_dir, config, device=device, dtype=dtype)
     geometry = PageGeometry.for_model(config.module_shapes(), config.kv_dim, spec.page_tokens)
     num_pages = spec.num_pages
     if num_pages is None:

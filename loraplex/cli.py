@@ -97,6 +97,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 _SERVE_FLAGS = (
     # (flag, config key, type, help)
     ("--model", "model.model", str, "base model directory (default: the built-in demo model)"),
+    ("--load-format", "model.load_format", str, "safetensors, or dummy: random weights (benchmarks)"),
     ("--device", "model.device", str, "auto, cpu, cuda or cuda:N"),
     ("--dtype", "model.dtype", str, "auto, float32, bfloat16 or float16"),
     ("--lora-backend", "model.lora_backend", str, "auto, torch or triton"),

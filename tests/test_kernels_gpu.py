@@ -10,8 +10,8 @@ import torch
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
+from bench import gpu_parity  # noqa: E402
 from loraplex.kernels import lora_bgmv, lora_mbgmv, lora_sgmv  # noqa: E402
-from loraplex.kernels.lora_tables import build_tables  # noqa: E402
 from loraplex.kernels.paged_attention_decode import paged_decode_attention  # noqa: E402
 from loraplex.kernels.paged_attention_prefill import paged_prefill_attention  # noqa: E402
 from loraplex.kernels.paged_kv import build_rows, paged_attention_reference  # noqa: E402
@@ -21,25 +21,17 @@ HIDDEN, KV = 4096, 1024
 RANKS = [8, 16, 32, 64, 128]
 
 
-def lora_case(batch: int):
-    g = torch.Generator().manual_seed(batch)
-    ranks = [RANKS[i % len(RANKS)] for i in range(batch)]
-    total = 2 * 3 * sum(ranks)
-    order = torch.randperm(total, generator=g).tolist()
-    flat = (torch.randn(total * HIDDEN, generator=g) * 0.05).to("cuda", DTYPE)
-    cells = [[(([order.pop() * HIDDEN for _ in range(r)]), [order.pop() * HIDDEN for _ in range(r)]) for r in ranks]
-             for _ in range(3)]
-    tables = build_tables(cells, [0.5] * batch, "cuda")
-    x = torch.randn(batch, HIDDEN, generator=g).to("cuda", DTYPE)
-    return x, flat, tables
+def lora_case(batch: int, dtype: torch.dtype = DTYPE):
+    return gpu_parity.lora_case(batch, device="cuda", dtype=dtype, hidden=HIDDEN, ranks=RANKS)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["bgmv", "mbgmv"])
-def test_gemv_full_size(kind: str) -> None:
-    x, flat, tables = lora_case(64)
+def test_gemv_full_size(kind: str, dtype: torch.dtype) -> None:
+    x, flat, tables = lora_case(64, dtype)
     slot = torch.arange(64, dtype=torch.int32, device="cuda")
     slot[::7] = -1  # base rows
-    outs = [torch.randn(64, n, device="cuda").to(DTYPE) for n in (HIDDEN, KV, KV)]
+    outs = [torch.randn(64, n, device="cuda").to(dtype) for n in (HIDDEN, KV, KV)]
     want = [o.float() for o in outs]
     lora_bgmv.bgmv_reference(want, x.float(), flat.float(), slot, tables)
     mod = lora_bgmv if kind == "bgmv" else lora_mbgmv

@@ -1,5 +1,7 @@
 """Load a HuggingFace Llama-family checkpoint (single or sharded safetensors)
-into typed per-layer weight holders on the target device and dtype.
+into typed per-layer weight holders on the target device and dtype, or build
+random weights of the config's shapes on the device (load format `dummy`, for
+benchmarks at real model sizes without a checkpoint on disk).
 
 Safetensors only: pickled checkpoints are refused, never unpickled. Every
 tensor is checked against the config's shapes; unknown tensors are refused
@@ -17,6 +19,7 @@ from safetensors import safe_open
 from loraplex.gpu_engine.model.config import ModelConfig, UnsupportedModelError
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+LOAD_FORMATS = ("safetensors", "dummy")  # dummy: random weights from config.json alone (vLLM's load_format)
 
 
 @dataclass(slots=True)
@@ -109,3 +112,24 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, *, device: torch.devic
     embed = got["model.embed_tokens.weight"]
     return ModelWeights(embed=embed, layers=layers, norm=got["model.norm.weight"],
                         lm_head=embed if cfg.tie_word_embeddings else got["lm_head.weight"])
+
+
+def random_weights(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype, seed: int = 0) -> ModelWeights:
+    """Random weights of `cfg`'s shapes made on `device` (nothing read from disk): projections scaled by
+    fan_in^-0.5 so activations stay finite through every layer, norms of ones, biases small."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, device=device, dtype=torch.float32, generator=gen) * std).to(dtype)
+
+    def ones() -> torch.Tensor:
+        return torch.ones(cfg.hidden_size, device=device, dtype=dtype)
+
+    shapes = cfg.module_shapes()
+    layers = [LayerWeights(input_norm=ones(), post_norm=ones(),
+                           proj={n: rand(fo, fi, std=fi ** -0.5) for n, (fi, fo) in shapes.items()},
+                           bias={n: rand(fo, std=0.02) for n, (fi, fo) in shapes.items() if _has_bias(cfg, n)})
+              for _ in range(cfg.num_layers)]
+    embed = rand(cfg.vocab_size, cfg.hidden_size, std=1.0)
+    return ModelWeights(embed=embed, layers=layers, norm=ones(),
+                        lm_head=embed if cfg.tie_word_embeddings else rand(cfg.vocab_size, cfg.hidden_size, std=0.02))

@@ -1,0 +1,238 @@
+"""Parity checks of the CUDA paths, each against its reference, on fresh random inputs:
+
+- `kernels`: BGMV, MBGMV and SGMV/MBGMM (shrink + expand) at real size (hidden
+  4096, fused q/k/v widths, batch 64, mixed ranks 8-128, base rows) in float16
+  and bfloat16 against the float32 torch references;
+- `graphs`: decode replayed as CUDA graphs against eager decode (identical
+  greedy tokens, float32 with the Triton backend);
+- `peft_offline`: the offline `LLM` against transformers + PEFT (the random demo
+  model with every demo adapter, one mixed batch, float32);
+- `daemon`: a live daemon in on_demand mode against transformers + PEFT, and one
+  in cpu_assist mode against the on_demand tokens (cold adapters, float32).
+
+`--device cpu --small` runs what can run on a CPU at toy size (kernels under the
+Triton interpreter); CUDA-only checks come back skipped with their reason. One
+JSON object on stdout (`--json`), progress on stderr; exit 1 if a check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+CHECKS = ("kernels", "graphs", "peft_offline", "daemon")
+ROW_ADAPTERS = [None, "qv-r8", "attn-r16", "all-r32", "mlp-r64", None, "rslora-r16", "kdown-r8"]
+NEW_TOKENS = 16
+RANKS = [8, 16, 32, 64, 128]
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def lora_case(batch: int, *, device: str, dtype, hidden: int = 4096, seed: int | None = None,
+              ranks: list[int] = RANKS):
+    """x [batch, hidden], a flat weight pool of hidden-wide rows, every row at a shuffled place, and
+    the tables of three fused modules (q, k, v) with mixed ranks cycling over `ranks`."""
+    import torch
+
+    from loraplex.kernels.lora_tables import build_tables
+
+    g = torch.Generator().manual_seed(batch if seed is None else seed)
+    row_ranks = [ranks[i % len(ranks)] for i in range(batch)]
+    total = 2 * 3 * sum(row_ranks)
+    order = torch.randperm(total, generator=g).tolist()
+    flat = (torch.randn(total * hidden, generator=g) * 0.05).to(device, dtype)
+    cells = [[([order.pop() * hidden for _ in range(r)], [order.pop() * hidden for _ in range(r)]) for r in row_ranks]
+             for _ in range(3)]
+    tables = build_tables(cells, [0.5] * batch, device)
+    x = torch.randn(batch, hidden, generator=g).to(device, dtype)
+    return x, flat, tables
+
+
+def _max_err(got, want) -> float:
+    return float((got.float() - want).abs().max())
+
+
+def check_kernels(device: str, small: bool) -> dict[str, Any]:
+    import torch
+
+    from loraplex.kernels import lora_bgmv, lora_mbgmv, lora_sgmv
+
+    hidden, kv, batch, seg = (64, 16, 6, 3) if small else (4096, 1024, 64, 100)
+    dtypes = [torch.float32] if device == "cpu" else [torch.float16, torch.bfloat16]
+    tol = 1e-4 if device == "cpu" else 2e-2
+    errors: dict[str, float] = {}
+    for dtype in dtypes:
+        name = str(dtype).replace("torch.", "")
+        seed = int(torch.randint(1 << 30, ()))  # fresh inputs every run; the seed is reported
+        x, flat, tables = lora_case(batch, device=device, dtype=dtype, hidden=hidden, seed=seed)
+        slot = torch.arange(batch, dtype=torch.int32, device=device)
+        slot[::7] = -1  # base rows
+        for kind, mod in (("bgmv", lora_bgmv), ("mbgmv", lora_mbgmv)):
+            outs = [torch.randn(batch, n, device=device).to(dtype) for n in (hidden, kv, kv)]
+            want = [o.float() for o in outs]
+            lora_bgmv.bgmv_reference(want, x.float(), flat.float(), slot, tables)
+            y = getattr(mod, f"{kind}_shrink")(x, flat, slot, tables)
+            getattr(mod, f"{kind}_expand")(outs, y, flat, slot, tables)
+            errors[f"{kind}_{name}"] = max(_max_err(o, w) for o, w in zip(outs, want))
+        segments = min(5, batch)
+        xs = x[:segments].repeat_interleave(seg, 0)  # segments of `seg` tokens, ranks 8..128
+        i32 = dict(dtype=torch.int32, device=device)
+        start, length = torch.arange(segments, **i32) * seg, torch.full((segments,), seg, **i32)
+        sslot = torch.arange(segments, **i32)
+        outs = [torch.randn(segments * seg, n, device=device).to(dtype) for n in (hidden, kv, kv)]
+        want = [o.float() for o in outs]
+        lora_sgmv.sgmv_reference(want, xs.float(), flat.float(), start, length, sslot, tables)
+        y = lora_sgmv.sgmv_shrink(xs, flat, start, length, sslot, tables, seg)
+        lora_sgmv.sgmv_expand(outs, y, flat, start, length, sslot, tables, seg)
+        errors[f"sgmv_{name}"] = max(_max_err(o, w) for o, w in zip(outs, want))
+        errors[f"seed_{name}"] = seed
+    worst = max(v for k, v in errors.items() if not k.startswith("seed_"))
+    return {"ok": worst <= tol, "max_abs_err": errors, "tolerance": tol, "hidden": hidden, "batch": batch,
+            "ranks": RANKS if not small else "cycled"}
+
+
+def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(k),), generator=g).tolist() for k in torch.randint(5, 60, (n,), generator=g)]
+
+
+def _demo():
+    os.environ.setdefault("LORAPLEX_DEMO", "random")  # the parity fixture the tests use
+    from loraplex.gpu_engine.demo import ensure_demo_model
+
+    return ensure_demo_model()
+
+
+def _llm(demo, device: str, **kw):
+    from loraplex.gpu_engine import LLM
+
+    llm = LLM(demo.model_dir, device=device, num_pages=512, max_num_seqs=16, **kw)
+    for name, path in demo.adapters.items():
+        llm.add_adapter(name, path)
+    return llm
+
+
+def check_graphs(device: str, small: bool) -> dict[str, Any]:
+    if not device.startswith("cuda"):
+        return {"skipped": "CUDA graphs need a CUDA device"}
+    from loraplex.gpu_engine import SamplingParams
+
+    demo = _demo()
+    prompts = _prompts(512, len(ROW_ADAPTERS), int(time.time()))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    tokens, replays = {}, 0
+    for graphs in (False, True):
+        llm = _llm(demo, device, dtype="float32", lora_backend="triton", cuda_graphs=graphs)
+        tokens[graphs] = [o.token_ids for o in llm.generate(prompts, adapters=ROW_ADAPTERS, sampling=params)]
+        if graphs:
+            replays = llm.executor.graphs.replays
+    same = sum(a == b for a, b in zip(tokens[False], tokens[True]))
+    return {"ok": same == len(prompts) and replays > 0, "rows_identical": same, "rows": len(prompts),
+            "graph_replays": replays}
+
+
+def _reference(demo, prompts: list[list[int]], names: list[str | None]) -> list[list[int]]:
+    from tests.hf_reference import greedy
+
+    adapters = dict(demo.adapters)
+    return [greedy(demo.model_dir, adapters.get(n), p, NEW_TOKENS)[0] for p, n in zip(prompts, names)]
+
+
+def check_peft_offline(device: str, small: bool) -> dict[str, Any]:
+    from loraplex.gpu_engine import SamplingParams
+
+    demo = _demo()
+    prompts = _prompts(512, len(ROW_ADAPTERS), int(time.time()))
+    backend = "triton" if device.startswith("cuda") else "torch"
+    llm = _llm(demo, device, dtype="float32", lora_backend=backend)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, adapters=ROW_ADAPTERS, sampling=params)]
+    want = _reference(demo, prompts, ROW_ADAPTERS)
+    same = sum(a == b for a, b in zip(got, want))
+    return {"ok": same == len(prompts), "rows_identical": same, "rows": len(prompts), "backend": backend}
+
+
+def _daemon_tokens(demo, device: str, mode: str, prompts, names, root: Path) -> tuple[list[list[int]], list[str]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from soak import start_daemon, stop_daemon
+
+    from loraplex.ipc.client import Client
+
+    serve = ["--model", str(demo.model_dir), "--device", device, "--dtype", "float32", "--num-pages", "512",
+             "--adapter-load-mode", mode, "--cpu-workers", "2"]
+    for name, path in demo.adapters.items():
+        serve += ["--adapter", f"{name}={path}"]
+    (root / mode).mkdir()
+    proc, runtime_dir = start_daemon(root / mode, serve)
+    try:
+        with Client(runtime_dir=runtime_dir) as client:
+            results = [client.generate(p, n, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, timeout=300)
+                       for p, n in zip(prompts, names)]
+    finally:
+        code = stop_daemon(proc)
+    if code != 0:
+        raise RuntimeError(f"the {mode} daemon exited with {code}")
+    return [r.token_ids for r in results], [str(r.timings.get("adapter_path")) for r in results]
+
+
+def check_daemon(device: str, small: bool) -> dict[str, Any]:
+    demo = _demo()
+    names = ROW_ADAPTERS[:4] if small else ROW_ADAPTERS  # small: base and three adapters of ranks 8-32
+    prompts = _prompts(512, len(names), int(time.time()))
+    with tempfile.TemporaryDirectory(prefix="lpx-parity-") as tmp:
+        on_demand, _ = _daemon_tokens(demo, device, "on_demand", prompts, names, Path(tmp))
+        assisted, paths = _daemon_tokens(demo, device, "cpu_assist", prompts, names, Path(tmp))
+    want = _reference(demo, prompts, names)
+    vs_peft = sum(a == b for a, b in zip(on_demand, want))
+    vs_on_demand = sum(a == b for a, b in zip(assisted, on_demand))
+    return {"ok": vs_peft == len(prompts) and vs_on_demand == len(prompts), "rows": len(prompts),
+            "on_demand_rows_equal_peft": vs_peft, "cpu_assist_rows_equal_on_demand": vs_on_demand,
+            "cpu_assisted_rows": paths.count("cpu_assisted"), "adapter_paths": paths}
+
+
+RUNNERS: dict[str, Callable[[str, bool], dict[str, Any]]] = {
+    "kernels": check_kernels, "graphs": check_graphs, "peft_offline": check_peft_offline, "daemon": check_daemon}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--checks", default=",".join(CHECKS), help="comma-separated subset of " + ",".join(CHECKS))
+    p.add_argument("--small", action="store_true", help="toy sizes (the CPU dry run)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.hf_reference
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    report: dict[str, Any] = {"benchmark": "gpu_parity", "device": device, "checks": {}}
+    for name in [c for c in args.checks.split(",") if c]:
+        log(f"parity: {name} on {device}")
+        started = time.monotonic()
+        try:
+            with torch.no_grad():
+                result = RUNNERS[name](device, args.small)
+        except Exception as exc:  # noqa: BLE001 - a failed check is reported, the others still run
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+        result["seconds"] = round(time.monotonic() - started, 2)
+        report["checks"][name] = result
+        log(f"parity: {name}: {'skipped: ' + result['skipped'] if 'skipped' in result else result.get('ok')}")
+    report["ok"] = all(r.get("ok", True) for r in report["checks"].values())
+    print(json.dumps(report) if args.json else json.dumps(report, indent=1))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Stage `build-test`: build the extension, run the GPU tests, and the CUDA parity
+checks at real size (bench/gpu_parity.py), each check in its own child process.
+
+On CUDA: the `gpu`-marked tests, the kernel and decode-graph test files (which
+follow the device), and every parity check. Dry run: the same items at toy size
+on the CPU; the gpu-marked tests come back skipped by pytest itself, and the
+CUDA-only parity check (graphs) reports its reason.
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+from .harness import StageContext
+
+# Test files whose tests run on CUDA when it is present (on CPU they run in the default suite).
+DEVICE_TEST_FILES = ("tests/test_kernels_lora.py", "tests/test_kernels_attention.py", "tests/test_kernels_backend.py",
+                     "tests/test_kernels_e2e.py", "tests/test_decode_graphs.py")
+PARITY_CHECKS = ("kernels", "graphs", "peft_offline", "daemon")
+EXTENSION_PROBE = (
+    "import json, loraplex._C as C\n"
+    "from loraplex.gpu_engine.cpu_assist_cuda import cuda_stream_ops_available\n"
+    "print(json.dumps({'path': C.__file__, 'cuda_stream_ops': cuda_stream_ops_available(),\n"
+    "                  'unavailable_reason': C.cuda_stream_ops_unavailable()}))\n")
+
+
+def junit_counts(path: Path) -> dict[str, Any]:
+    """passed / failed / skipped counts and the failing test ids of a pytest junit XML."""
+    root = ET.parse(path).getroot()
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "failures": []}
+    for case in root.iter("testcase"):
+        outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        key = {"failure": "failed", "error": "failed"}.get(outcome, outcome)
+        counts[key] += 1
+        if key == "failed":
+            counts["failures"].append(f"{case.get('classname')}::{case.get('name')}")
+    return counts
+
+
+def pytest_item(ctx: StageContext, name: str, args: list[str], est_s: float) -> None:
+    with tempfile.TemporaryDirectory(prefix="lpx-gpu-junit-") as tmp:
+        xml = Path(tmp) / "junit.xml"
+        # exit 5: nothing collected under the marker, not a failure
+        ctx.run(name, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *args],
+                est_s=est_s, parse_json=False, ok_codes=(0, 5))
+        if xml.exists():
+            counts = junit_counts(xml)
+            ctx.note(name, **counts)
+            ctx.figures[name] = {k: v for k, v in counts.items() if k != "failures"}
+
+
+INSTALLED_PROBE = "import loraplex._C, loraplex.daemon, loraplex.gpu_engine; print(loraplex.__file__)"
+
+
+def install(ctx: StageContext) -> None:
+    """`pip install -e .` (no deps, no index: a GPU host has no network) unless this checkout is
+    installed already, which builds the extension against the host's own Python and CUDA."""
+    from .harness import ROOT
+
+    probe = ctx.run("installed", [sys.executable, "-c", INSTALLED_PROBE], est_s=5, parse_json=False,
+                    ok_codes=(0, 1))
+    here = probe is not None and str(ROOT) in probe["stdout_tail"]
+    ctx.items.pop()  # the probe is not an item of its own
+    if here:
+        ctx.skip("install", f"this checkout is installed already ({ROOT})")
+        return
+    ctx.run("install", [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--no-index", "-e", "."], est_s=60, parse_json=False)
+
+
+def run(ctx: StageContext) -> None:
+    ext = ctx.run("extension", [sys.executable, "-c", EXTENSION_PROBE], est_s=10)
+    if ext is not None:
+        ctx.note("extension", **ext)
+        ctx.figures["cuda_stream_ops"] = ext["cuda_stream_ops"]
+        if ctx.cuda and not ext["cuda_stream_ops"]:
+            ctx.items[-1].status, ctx.items[-1].reason = "failed", f"no CUDA stream ops: {ext['unavailable_reason']}"
+    pytest_item(ctx, "gpu_marked_tests", ["-m", "gpu", "tests/"], est_s=30)
+    if ctx.cuda:
+        pytest_item(ctx, "device_tests", ["-m", "not slow", *DEVICE_TEST_FILES], est_s=60)
+    else:
+        ctx.skip("device_tests", "on the CPU these files run in the default suite under TRITON_INTERPRET")
+    for check in PARITY_CHECKS:
+        args = ["gpu_parity.py", "--json", "--checks", check, "--device", ctx.device] + (["--small"] if ctx.dry_run
+                                                                                        else [])
+        report = ctx.run(f"parity_{check}", args, est_s=40 if check == "daemon" else 20, ok_codes=(0, 1))
+        if report is None:
+            continue
+        result = report["checks"][check]
+        item = ctx.items[-1]
+        if "skipped" in result:
+            item.status, item.reason = "skipped", result["skipped"]
+            continue
+        item.figures.update({k: v for k, v in result.items() if k != "traceback"})
+        if not result.get("ok"):
+            item.status = "failed"
+            item.reason = result.get("error") or "outputs differ from the reference"
+        ctx.figures[f"parity_{check}"] = bool(result.get("ok"))

@@ -1,0 +1,98 @@
+"""Stage `e2e`: random-weight models of Llama-2-7B and Llama-3-8B (GQA) dimensions
+built on the device (load format dummy: nothing downloaded).
+
+In order of importance, each within what is left of the budget:
+- TTFT of cached vs on_demand vs cpu_assist at a Poisson load, 200 adapters of
+  ranks 8-128 in the host store (bench/load_modes.py, one daemon per mode);
+- the decode step with 64 distinct adapters over base-only, CUDA graphs off and
+  on (bench/decode_profile.py --no-fit);
+- adapter load time over bytes / measured pinned H2D bandwidth (bench/adapter_load.py);
+- the same TTFT comparison on the GQA shape.
+Dry run: the tiny shape on the CPU through the same scripts.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .harness import StageContext
+
+DECODE_OVERHEAD_TARGET_PCT = 15.0  # bench/decode_profile.py: unmerged LoRA over base, 64 adapters
+
+
+def ttft(ctx: StageContext, shape: str, *, duration: float, rate: float, est_s: float) -> None:
+    shape = "tiny" if ctx.dry_run else shape
+    if ctx.dry_run:
+        args = ["--shape", "tiny", "--device", "cpu", "--adapters", "6", "--rate", "4", "--duration", "3",
+                "--prompt-mean", "16", "--output-mean", "4", "--max-prompt", "64", "--max-output", "16",
+                "--cpu-workers", "2"]
+    else:
+        args = ["--shape", shape, "--device", "cuda", "--adapters", "200", "--rate", str(rate),
+                "--duration", str(duration), "--cpu-workers", "8"]
+    name = f"ttft_{shape}"
+    report = ctx.run(name, ["load_modes.py", "--json", *args], est_s=25 if ctx.dry_run else est_s)
+    if report is None:
+        return
+    modes = {m: {"mean_ms": r["ttft_ms"]["mean"], "p99_ms": r["ttft_ms"]["p99"], "completed": r["completed"],
+                 "requests": r["requests"], "hit_rate": r["hit_rate"], "ready_s": r["ready_s"]}
+             for m, r in report["modes"].items()}
+    ctx.figures[name] = {"modes": modes, "ratios": report["ratios"], "adapters": report["config"]["adapters"],
+                         "adapter_gb": round(report["config"]["adapter_bytes"] / 1e9, 2), "rate_rps": rate}
+    ratio = report["ratios"].get("cpu_assist_over_on_demand_mean")
+    ctx.target(f"{shape}: cpu_assist mean TTFT / on_demand", ratio, 1.0, "<=",
+               "Toppings: CPU-assisted prefill hides the cold load")
+    lost = [m for m, r in modes.items() if r["completed"] < r["requests"]]
+    if lost:
+        ctx.items[-1].status, ctx.items[-1].reason = "failed", f"requests not completed in {lost}"
+
+
+def decode(ctx: StageContext, shape: str, graphs: str, est_s: float) -> dict[str, Any] | None:
+    shape = "tiny" if ctx.dry_run else shape
+    name = f"decode_{shape}_graphs_{graphs}"
+    if graphs == "on" and not ctx.needs_cuda(name, "CUDA graphs need a CUDA device"):
+        return None
+    args = ["--shape", "tiny", "--distinct", "3", "--batches", "3", "--steps", "2", "--context", "8"] \
+        if ctx.dry_run else ["--shape", shape, "--backend", "triton", "--distinct", "64", "--batches", "64"]
+    report = ctx.run(name, ["decode_profile.py", "--json", "--no-fit", "--cuda-graphs", graphs, *args],
+                     est_s=15 if ctx.dry_run else est_s)
+    if report is None:
+        return None
+    o = report["overhead"]
+    ctx.figures[name] = {"batch": o["batch"], "distinct_adapters": o["distinct_adapters"], "rank": o["rank"],
+                         "base_step_ms": o["base_step_ms"], "lora_step_ms": o["lora_step_ms"],
+                         "overhead_pct": o["overhead_pct"], "cuda_graphs": report.get("cuda_graphs")}
+    ctx.target(f"{shape}: decode step over base, {o['distinct_adapters']} adapters, graphs {graphs} (%)",
+               o["overhead_pct"], DECODE_OVERHEAD_TARGET_PCT, "<=", "Toppings/S-LoRA: unmerged LoRA overhead")
+    return o
+
+
+def adapter_load(ctx: StageContext) -> None:
+    shape = "tiny" if ctx.dry_run else "7b"
+    args = ["--ranks", "8", "16", "--repeats", "2", "--h2d-mib", "4"] if ctx.dry_run else []
+    name = f"adapter_load_{shape}"
+    report = ctx.run(name, ["adapter_load.py", "--json", "--shape", shape, *args], est_s=10 if ctx.dry_run else 60)
+    if report is None:
+        return
+    ctx.figures[name] = {"h2d_gb_s": report["h2d_gb_s"], "pinned": report["pinned"],
+                                      "by_rank": {r["rank"]: {"mb": round(r["bytes"] / 1e6, 1),
+                                                              "ms": round(r["load_s"] * 1e3, 3),
+                                                              "over_link": round(r["ratio"], 2)}
+                                                  for r in report["loads"]}}
+    worst = max(r["ratio"] for r in report["loads"])
+    ctx.target(f"{shape}: adapter load time / (bytes / pinned H2D bandwidth), worst rank", worst, 1.5, "<=",
+               "ours: a load runs near the link's speed")
+
+
+def run(ctx: StageContext) -> None:
+    ttft(ctx, "7b", duration=30, rate=4.0, est_s=200)
+    off = decode(ctx, "7b", "off", est_s=60)
+    on = decode(ctx, "7b", "on", est_s=60)
+    if off and on:
+        ctx.figures["graphs_speedup_7b"] = {"base": off["base_step_ms"] / on["base_step_ms"],
+                                            "lora": off["lora_step_ms"] / on["lora_step_ms"]}
+    adapter_load(ctx)
+    if ctx.dry_run:
+        ctx.skip("ttft_8b", "dry run: the tiny shape already ran the same path")
+        ctx.skip("decode_8b_graphs_on", "dry run: the tiny shape already ran the same path")
+        return
+    decode(ctx, "8b", "on", est_s=60)
+    ttft(ctx, "8b", duration=15, rate=4.0, est_s=120)
