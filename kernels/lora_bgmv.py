@@ -1,152 +1,28 @@
 """BGMV (Punica): decode LoRA, one token per row, every row's tile padded to the
 batch's maximum rank. Shrink `y = x A^T`, expand `out += s * y B^T`.
 
-A and B^T rows are read straight from the unified pool through `LoraTables`;
-rows whose slot is -1 (no adapter, or beyond the live count) exit at once, so
-the grid can be sized from capacity (CUDA-graph safe). Cost model: |rows| x max rank.
+The kernel body is `lora_gemv`'s with PAD_TO_MAX; cost model: |rows| x max rank.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
-import triton
-import triton.language as tl
 
-from loraplex.kernels._jit import SUM
-from loraplex.kernels.lora_tables import (
-    LoraTables,
-    check_index,
-    check_lora_args,
-    check_outputs,
-    output_args,
-    reference_expand,
-    reference_shrink,
-)
-from loraplex.kernels.runtime import block_default, check_blocks, check_device, check_tensor, next_pow2
-
-
-@triton.jit
-def _bgmv_shrink_kernel(x_ptr, flat_ptr, slot_ptr, a_off_ptr, rank_ptr, y_ptr,
-                        K, num_slots, width, stride_xt, stride_ym, stride_yt,
-                        R_PAD: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    t = tl.program_id(0)
-    m = tl.program_id(1)
-    ks = tl.program_id(2)
-    slot = tl.load(slot_ptr + t)
-    if slot < 0:
-        return
-    rank = tl.load(rank_ptr + m * num_slots + slot)
-    if rank == 0:
-        return
-    j = tl.arange(0, R_PAD)  # the padded rank tile: every row pays for the batch's max rank
-    jmask = j < rank
-    rows = tl.load(a_off_ptr + (m * num_slots + slot) * width + j, mask=jmask, other=0)
-    acc = tl.full([R_PAD], 0.0, dtype=tl.float32)
-    for k0 in range(ks * BLOCK_K, K, SPLIT_K * BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < K
-        xv = tl.load(x_ptr + t * stride_xt + k, mask=kmask, other=0.0).to(tl.float32)
-        a = tl.load(flat_ptr + rows[:, None] + k[None, :], mask=jmask[:, None] & kmask[None, :], other=0.0)
-        acc += tl.reduce(a.to(tl.float32) * xv[None, :], 1, SUM)
-    dst = y_ptr + m * stride_ym + t * stride_yt + j
-    if SPLIT_K == 1:
-        tl.store(dst, acc, mask=jmask)
-    else:
-        tl.atomic_add(dst, acc, mask=jmask)
-
-
-@triton.jit
-def _bgmv_expand_kernel(y_ptr, flat_ptr, slot_ptr, b_off_ptr, rank_ptr, scale_ptr,
-                        out0, out1, out2, n0, n1, n2, so0, so1, so2,
-                        num_slots, width, stride_ym, stride_yt,
-                        R_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    t = tl.program_id(0)
-    m = tl.program_id(1)
-    nb = tl.program_id(2)
-    slot = tl.load(slot_ptr + t)
-    if slot < 0:
-        return
-    rank = tl.load(rank_ptr + m * num_slots + slot)
-    n_cols = tl.where(m == 0, n0, tl.where(m == 1, n1, n2))
-    if (rank == 0) | (nb * BLOCK_N >= n_cols):
-        return
-    j = tl.arange(0, R_PAD)
-    jmask = j < rank
-    yv = tl.load(y_ptr + m * stride_ym + t * stride_yt + j, mask=jmask, other=0.0)
-    rows = tl.load(b_off_ptr + (m * num_slots + slot) * width + j, mask=jmask, other=0)
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < n_cols
-    bt = tl.load(flat_ptr + rows[:, None] + n[None, :], mask=jmask[:, None] & nmask[None, :], other=0.0)
-    delta = tl.reduce(yv[:, None] * bt.to(tl.float32), 0, SUM) * tl.load(scale_ptr + slot)
-    offsets = t * tl.where(m == 0, so0, tl.where(m == 1, so1, so2)) + n
-    if m == 0:
-        ptrs = out0 + offsets
-    elif m == 1:
-        ptrs = out1 + offsets
-    else:
-        ptrs = out2 + offsets
-    cur = tl.load(ptrs, mask=nmask, other=0.0)
-    tl.store(ptrs, (cur.to(tl.float32) + delta).to(cur.dtype), mask=nmask)
-
-
-def default_split_k(k_blocks: int, programs: int, device: torch.device) -> int:
-    """Split the reduction when there are too few (row, module) programs to fill a GPU."""
-    if device.type != "cuda" or programs >= 256:
-        return 1
-    return max(1, min(k_blocks, 256 // max(programs, 1), 16))
+from loraplex.kernels.lora_gemv import gemv_expand, gemv_reference, gemv_shrink
+from loraplex.kernels.lora_tables import LoraTables
 
 
 def bgmv_shrink(x: torch.Tensor, flat: torch.Tensor, token_slot: torch.Tensor, tables: LoraTables, *,
                 split_k: int | None = None, block_k: int | None = None) -> torch.Tensor:
     """x: [T, in] (T = capacity), token_slot: [T] (-1 = none) -> y: [M, T, R_pad] float32."""
-    check_lora_args(x, flat, tables, tables.num_modules)
-    tokens, k = x.shape
-    check_index("token_slot", token_slot, tokens)
-    device = check_device(x, flat, token_slot, tables.a_off, tables.ranks, kernel=_bgmv_shrink_kernel)
-    r_pad = max(next_pow2(tables.max_rank), 2)
-    block_k = block_k or max(16, min(next_pow2(k), block_default(512, 4096), 8192 // r_pad))
-    k_blocks = triton.cdiv(k, block_k)
-    split_k = split_k or default_split_k(k_blocks, tokens * tables.num_modules, device)
-    if split_k < 1:
-        raise ValueError(f"split_k must be >= 1, got {split_k}")
-    check_blocks(device, block_k=block_k)
-    alloc = torch.zeros if split_k > 1 else torch.empty
-    y = alloc(tables.num_modules, tokens, r_pad, dtype=torch.float32, device=device)
-    if tokens == 0:
-        return y
-    grid = (tokens, tables.num_modules, split_k)
-    _bgmv_shrink_kernel[grid](x, flat, token_slot, tables.a_off, tables.ranks, y,
-                              k, tables.num_slots, tables.width, x.stride(0), y.stride(0), y.stride(1),
-                              R_PAD=r_pad, BLOCK_K=block_k, SPLIT_K=split_k)
-    return y
+    return gemv_shrink(x, flat, token_slot, tables, padded=True, split_k=split_k, block_k=block_k)
 
 
 def bgmv_expand(outs: Sequence[torch.Tensor], y: torch.Tensor, flat: torch.Tensor, token_slot: torch.Tensor,
                 tables: LoraTables, *, block_n: int | None = None) -> None:
     """outs[m]: [T, out_m] += scaling * y[m] @ B^T_m per row's slot, in place (up to three outputs)."""
-    check_tensor("y", y, ndim=3, dtypes=(torch.float32,), shape=(len(outs), None, None))
-    tokens = y.shape[1]
-    check_outputs(outs, tokens)
-    check_lora_args(None, flat, tables, len(outs))
-    check_index("token_slot", token_slot, tokens)
-    device = check_device(y, flat, token_slot, tables.b_off, *outs, kernel=_bgmv_expand_kernel)
-    r_pad = max(next_pow2(tables.max_rank), 2)
-    if y.shape[2] < tables.max_rank:
-        raise ValueError(f"y holds {y.shape[2]} rank columns, tables need {tables.max_rank}")
-    max_n = max(o.shape[1] for o in outs)
-    block_n = block_n or max(16, min(next_pow2(max_n), block_default(256, 1024), 16384 // r_pad))
-    check_blocks(device, block_n=block_n)
-    if tokens == 0:
-        return
-    grid = (tokens, len(outs), triton.cdiv(max_n, block_n))
-    _bgmv_expand_kernel[grid](y, flat, token_slot, tables.b_off, tables.ranks, tables.scaling,
-                              *output_args(outs), tables.num_slots, tables.width, y.stride(0), y.stride(1),
-                              R_PAD=r_pad, BLOCK_N=block_n)
+    gemv_expand(outs, y, flat, token_slot, tables, padded=True, block_n=block_n)
 
 
-def bgmv_reference(outs: Sequence[torch.Tensor], x: torch.Tensor, flat: torch.Tensor, token_slot: torch.Tensor,
-                   tables: LoraTables) -> None:
-    """Torch reference of shrink + expand, in place on outs."""
-    y = reference_shrink(x, flat, token_slot, tables, x.shape[1])
-    reference_expand(outs, y, flat, token_slot, tables)
+bgmv_reference = gemv_reference

@@ -23,10 +23,12 @@ ATTN_PTRS = {"q_ptr": "{dt}", "kv_ptr": "{dt}", "out_ptr": "{dt}", "q_start_ptr"
 FLOATS = {"qk_scale"}
 # (module, kernel, constexprs, pointer dtypes)
 KERNELS = [
-    ("lora_bgmv", "_bgmv_shrink_kernel", {"R_PAD": 16, "BLOCK_K": 256, "SPLIT_K": 4}, LORA_PTRS),
-    ("lora_bgmv", "_bgmv_expand_kernel", {"R_PAD": 64, "BLOCK_N": 256}, LORA_PTRS),
-    ("lora_mbgmv", "_mbgmv_shrink_kernel", {"BLOCK_R": 16, "BLOCK_K": 512, "SPLIT_K": 1}, LORA_PTRS),
-    ("lora_mbgmv", "_mbgmv_expand_kernel", {"BLOCK_R": 16, "BLOCK_N": 256}, LORA_PTRS),
+    # BGMV (PAD_TO_MAX) and MBGMV share one body
+    ("lora_gemv", "_gemv_shrink_kernel", {"BLOCK_R": 16, "BLOCK_K": 256, "SPLIT_K": 4, "PAD_TO_MAX": True}, LORA_PTRS),
+    ("lora_gemv", "_gemv_expand_kernel", {"BLOCK_R": 64, "BLOCK_N": 256, "PAD_TO_MAX": True}, LORA_PTRS),
+    ("lora_gemv", "_gemv_shrink_kernel", {"BLOCK_R": 16, "BLOCK_K": 512, "SPLIT_K": 1, "PAD_TO_MAX": False},
+     LORA_PTRS),
+    ("lora_gemv", "_gemv_expand_kernel", {"BLOCK_R": 16, "BLOCK_N": 256, "PAD_TO_MAX": False}, LORA_PTRS),
     ("lora_sgmv", "_sgmv_shrink_kernel", {"BLOCK_M": 32, "BLOCK_R": 16, "BLOCK_K": 64, "PRECISION": "ieee"},
      LORA_PTRS),
     ("lora_sgmv", "_sgmv_expand_kernel", {"BLOCK_M": 32, "BLOCK_R": 64, "BLOCK_N": 64, "PRECISION": "ieee"},
