@@ -86,6 +86,9 @@ class Dispatcher:
                                    code=ErrorCode.INTERNAL.value, message=f"internal error: {exc}"[:4000])
             if reply is not None:
                 await self._reply(identity, reply)
+            # A backlog of queued messages is received without suspending (the futures are
+            # already done): yield, so the step loops stream tokens between a flood's messages.
+            await asyncio.sleep(0)
 
     async def _reply(self, identity: bytes, msg: Message) -> None:
         try:

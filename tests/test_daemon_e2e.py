@@ -150,7 +150,7 @@ def test_bad_requests_get_error_codes_and_others_keep_going(daemon):
 
 def test_cancel_and_disconnect_return_pages(daemon):
     with daemon.client() as client:
-        stream = client.stream(_prompts(1, seed=9)[0], adapter="mlp-r64", max_tokens=5000, ignore_eos=True,
+        stream = client.stream(_prompts(1, seed=9)[0], adapter="mlp-r64", max_tokens=4000, ignore_eos=True,
                                temperature=0.0, timeout=120)
         it = iter(stream)
         next(it)
@@ -160,7 +160,7 @@ def test_cancel_and_disconnect_return_pages(daemon):
     with daemon.client() as client:
         result: list = []
         worker = threading.Thread(target=lambda: result.append(client.generate(
-            [7, 7, 7], max_tokens=5000, ignore_eos=True, temperature=0.0, timeout=120, request_id="to-cancel")))
+            [7, 7, 7], max_tokens=4000, ignore_eos=True, temperature=0.0, timeout=120, request_id="to-cancel")))
         worker.start()
         deadline = time.monotonic() + 30
         while _kv_pages(daemon) == 0 and time.monotonic() < deadline:
@@ -172,7 +172,7 @@ def test_cancel_and_disconnect_return_pages(daemon):
     # A raw client that vanishes mid-stream: the daemon notices on its next send and frees the pages.
     ctx = zmq.Context()
     sock = make_dealer(ctx, f"ipc://{daemon.runtime_dir}/client.sock")
-    sock.send(GenerateRequest(request_id="vanish", prompt_token_ids=[5, 6, 7], max_tokens=5000, stream=True,
+    sock.send(GenerateRequest(request_id="vanish", prompt_token_ids=[5, 6, 7], max_tokens=4000, stream=True,
                               ignore_eos=True))
     sock.recv(timeout_ms=30000)
     sock.close()
@@ -591,7 +591,7 @@ def test_vanished_client_of_a_non_streamed_request_is_noticed(daemon):
         "from loraplex.ipc.sockets import make_dealer\n"
         "from loraplex.ipc.protocol import GenerateRequest\n"
         f"s = make_dealer(zmq.Context(), 'ipc://{daemon.runtime_dir}/client.sock')\n"
-        "s.send(GenerateRequest(request_id='gone', prompt_token_ids=[5, 6, 7], max_tokens=100000, ignore_eos=True))\n"
+        "s.send(GenerateRequest(request_id='gone', prompt_token_ids=[5, 6, 7], max_tokens=4000, ignore_eos=True))\n"
         "sys.stdout.write('sent\\n'); sys.stdout.flush()\n"
         "import time; time.sleep(60)\n"
     )
