@@ -294,6 +294,32 @@ def test_cli_generate_and_adapters(daemon, demo):
     assert bad.returncode == 1 and "unknown_adapter" in bad.stderr
 
 
+def test_max_tokens_past_the_context_is_refused_not_cut(daemon):
+    """vLLM answers 400; the daemon refuses before any token, in every client, and None fills the context."""
+    import subprocess
+    import sys
+
+    limit = 4096  # the demo model's context
+    prompt = _prompts(1, seed=21)[0]
+    with daemon.client() as client:
+        with pytest.raises(LoraplexError) as refused:
+            client.generate(prompt, max_tokens=limit - len(prompt) + 1, timeout=60)
+        assert refused.value.code.value == "context_length_exceeded"
+        assert f"at most {limit - len(prompt)} new tokens fit" in refused.value.message
+        stream = client.stream("Once upon a time", max_tokens=limit, timeout=60)
+        with pytest.raises(LoraplexError, match="context_length_exceeded"):
+            next(stream)  # the first thing the stream yields is the refusal
+        long_prompt = [3 + i % 500 for i in range(limit - 5)]
+        filled = client.generate(long_prompt, max_tokens=None, temperature=0.0, ignore_eos=True, timeout=120)
+        assert filled.finish_reason == "length" and len(filled.token_ids) == 5
+    env = {**os.environ, "LORAPLEX_RUNTIME_DIR": str(daemon.runtime_dir)}
+    out = subprocess.run([sys.executable, "-m", "loraplex.cli", "generate", "--stream", "--max-tokens", str(limit),
+                          "Hello"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "context_length_exceeded" in out.stderr
+    _wait_idle(daemon)
+
+
 def test_raw_socket_bad_inputs_get_stable_codes(daemon):
     import msgpack
 
