@@ -2,14 +2,14 @@
 CPU demo model, alone and while flood clients send huge text prompts.
 
 Starts `loraplex serve` on the random demo model in a private runtime directory, warms the
-engine up (its first steps are slow), then twice streams one greedy request (`--stream-s`
-seconds of tokens): alone, and while `--clients` connections each send `--requests` text
-prompts of `--prompt-bytes` bytes (random words) at once, round after round for as long, from
-a separate process so the
-flood's CPU time and GIL are not this one's. Reported per phase: the stream's largest and p99
-gap between tokens (ms), tokens received, and for the flood the replies by error code and how
-long the flood took; the daemon's RSS before and after the flood; the host's 1-minute load
-average before and after; `os.cpu_count()`.
+engine up (its first steps are slow), then streams one greedy request twice: alone for
+`--stream-s` seconds, and while `--clients` connections each send `--requests` text prompts of
+`--prompt-bytes` bytes (random words) at once and wait for the replies, one round (the issue's
+attack) or round after round for `--flood-s` seconds, from a separate process so the flood's
+CPU time and GIL are not this one's. Reported per phase: the stream's largest, p99 and median
+gap between tokens (ms; the window's ends count, so a stall until the end shows) and tokens
+received; for the flood the replies by error code, rounds and seconds; the daemon's RSS before
+and after the flood; the host's 1-minute load average before and after; `os.cpu_count()`.
 
 `--flood ENDPOINT` runs only the flood clients against a running daemon and prints their
 outcome as one JSON object (the hardening test uses it). `--json` prints one JSON object on
@@ -113,7 +113,7 @@ def start_flood(endpoint: str, clients: int, per_client: int, prompt_bytes: int,
     """This script's --flood mode in a child process; its stdout is the outcome's JSON."""
     return subprocess.Popen([sys.executable, __file__, "--flood", endpoint, "--clients", str(clients),
                              "--requests", str(per_client), "--prompt-bytes", str(prompt_bytes),
-                             "--flood-timeout", str(timeout_s), "--stream-s", str(duration_s)],
+                             "--flood-timeout", str(timeout_s), "--flood-s", str(duration_s)],
                             stdout=subprocess.PIPE, text=True)
 
 
@@ -174,7 +174,7 @@ def rss_mib(pid: int) -> float:
 
 
 def measure(runtime_dir: Path, args: argparse.Namespace, flooding: bool) -> dict[str, object]:
-    """Stream for `stream_s` seconds (with the flood running alongside when `flooding`)."""
+    """Stream for `stream_s` seconds, or while the flood runs when `flooding`."""
     with Client(runtime_dir=runtime_dir) as client:
         stream = GapStream(client, args.max_tokens)
         stream.start()
@@ -183,10 +183,11 @@ def measure(runtime_dir: Path, args: argparse.Namespace, flooding: bool) -> dict
         outcome = None
         if flooding:
             child = start_flood(f"ipc://{runtime_dir}/client.sock", args.clients, args.requests, args.prompt_bytes,
-                                args.flood_timeout, duration_s=args.stream_s)
-            out, _ = child.communicate(timeout=args.stream_s + args.flood_timeout + 60)
+                                args.flood_timeout, duration_s=args.flood_s)
+            out, _ = child.communicate(timeout=args.flood_s + args.flood_timeout + 60)
             outcome = json.loads(out)
-        time.sleep(max(0.0, since + args.stream_s - time.monotonic()))
+        else:
+            time.sleep(args.stream_s)
         until = time.monotonic()
         stream.stop.set()
         stream.join(60)
@@ -221,7 +222,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     return {
         "benchmark": "flood_gap",
         "config": {"clients": args.clients, "requests_per_client": args.requests, "prompt_bytes": args.prompt_bytes,
-                   "stream_s": args.stream_s, "max_tokens": args.max_tokens, "serve_args": serve_args},
+                   "flood_s": args.flood_s, "stream_s": args.stream_s, "max_tokens": args.max_tokens,
+                   "serve_args": serve_args},
         "alone": alone,
         "flooded": flooded,
         "daemon": {"rss_mib_before_flood": rss_before, "rss_mib_after_flood": rss_after, "healthy_after": healthy,
@@ -236,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=4, help="flood connections (default 4)")
     parser.add_argument("--requests", type=int, default=20, help="prompts each flood connection sends (default 20)")
     parser.add_argument("--prompt-bytes", type=int, default=PROMPT_BYTES, help="size of each flood prompt")
-    parser.add_argument("--stream-s", type=float, default=5.0,
-                        help="seconds the stream is measured per phase; the flood repeats its rounds as long")
+    parser.add_argument("--stream-s", type=float, default=5.0, help="seconds the stream is measured alone")
+    parser.add_argument("--flood-s", type=float, default=0.0,
+                        help="seconds the flood repeats its rounds (default 0: one round, the issue's attack)")
     parser.add_argument("--max-tokens", type=int, default=4000, help="the stream's max_tokens (it is cut when done)")
     parser.add_argument("--flood-timeout", type=float, default=60.0, help="seconds a flood client waits for replies")
     parser.add_argument("--flood", metavar="ENDPOINT", help="only run the flood clients against ENDPOINT")
@@ -245,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.flood:
         outcome = flood(args.flood, args.clients, args.requests, args.prompt_bytes, args.flood_timeout,
-                        duration_s=args.stream_s)
+                        duration_s=args.flood_s)
         sys.stdout.write(json.dumps(outcome) + "\n")
         return 0
     report = run(args)
