@@ -3,15 +3,18 @@
 Owns the checks a prompt passes before it reaches a scheduler (context length, vocabulary,
 `max_tokens` against what the context leaves), the cheap size bound that refuses a text
 prompt too long for the context before it is tokenized, the tokenizer's worker threads
-(server.tokenizer_threads), and each client's budget of prompt bytes waiting for them
-(server.max_queued_prompt_bytes_per_client). Never tokenizes on the event loop: one
-client's huge or numerous prompts must not delay another client's tokens.
+(server.tokenizer_threads) served round-robin by client, and each client's budget of prompt
+bytes waiting for them (server.max_queued_prompt_bytes_per_client). Never tokenizes on the
+event loop: one client's huge or numerous prompts must not delay another client's tokens,
+nor hold its prompts behind all of theirs.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.daemon.serving_adapters import Rejected
@@ -36,6 +39,15 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode_batch([text])[0].ids
 
 
+@dataclass(slots=True)
+class _Job:
+    identity: bytes
+    text: str
+    size: int
+    done: asyncio.Future = field(repr=False)
+    started: bool = False
+
+
 class PromptIntake:
     """The model's limits and tokenizer (None: only token-id prompts are accepted)."""
 
@@ -44,15 +56,21 @@ class PromptIntake:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.threads = threads
         self.max_queued_bytes = max_queued_bytes_per_client
         self.token_chars = longest_token_chars(tokenizer) if tokenizer is not None else 0
         # More characters than this cannot fit in the context whatever the text is.
         self.max_prompt_chars = max_model_len * self.token_chars * NORMALIZER_SLACK
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenizer") \
             if tokenizer is not None else None
-        self._queued: dict[bytes, int] = {}  # client identity -> prompt bytes handed to the threads
+        self._queued: dict[bytes, int] = {}  # client identity -> prompt bytes waiting or being tokenized
+        self._waiting: OrderedDict[bytes, deque[_Job]] = OrderedDict()  # clients in their turn's order
+        self._wake = asyncio.Event()
+        self._workers: list[asyncio.Task] = []  # one per thread, started with the first prompt
 
     def close(self) -> None:
+        for task in self._workers:
+            task.cancel()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -70,24 +88,68 @@ class PromptIntake:
                            "characters); refused before tokenizing")
 
     async def encode(self, identity: bytes, text: str) -> list[int]:
-        """The prompt's token ids, computed in a tokenizer thread. A client whose earlier prompts
-        are still waiting for the threads gets `overloaded` past its byte budget (one prompt
-        alone always goes). Its bytes count until the thread is done with them, even when the
-        awaiting request was cancelled meanwhile."""
+        """The prompt's token ids, computed in a tokenizer thread when the client's turn comes
+        (clients take turns, one prompt each). A client whose earlier prompts still wait gets
+        `overloaded` past its byte budget (one prompt alone always goes); its bytes count until
+        a thread is done with them, or until a cancelled prompt leaves the queue unstarted."""
         size = len(text.encode("utf-8", "surrogatepass"))
         queued = self._queued.get(identity, 0)
         if queued and queued + size > self.max_queued_bytes:
             raise Rejected(ErrorCode.OVERLOADED,
                            f"this client already has {queued} bytes of prompts waiting to be tokenized "
                            f"(server.max_queued_prompt_bytes_per_client = {self.max_queued_bytes}); try again later")
+        if not self._workers:
+            self._workers = [asyncio.create_task(self._work(), name=f"tokenizer-{i}") for i in range(self.threads)]
+        job = _Job(identity, text, size, asyncio.get_running_loop().create_future())
         self._queued[identity] = queued + size
-        loop = asyncio.get_running_loop()
-        work = self._executor.submit(_encode, self.tokenizer, text)
-        work.add_done_callback(lambda _: _call_soon(loop, self._release, identity, size))
-        ids = await asyncio.wrap_future(work)
+        self._waiting.setdefault(identity, deque()).append(job)
+        self._wake.set()
+        try:
+            ids = await job.done
+        except asyncio.CancelledError:
+            if not job.started:  # still queued: it leaves now
+                self._waiting.get(identity, deque()).remove(job)
+                if not self._waiting.get(identity, True):
+                    del self._waiting[identity]
+                self._release(identity, size)
+            raise
         if not ids:
             raise Rejected(ErrorCode.INVALID_FIELD, "the prompt encodes to no tokens")
         return ids
+
+    def _next(self) -> _Job | None:
+        """The head of the first client's queue; that client goes to the back of the line."""
+        while self._waiting:
+            identity, jobs = next(iter(self._waiting.items()))
+            job = jobs.popleft()
+            if jobs:
+                self._waiting.move_to_end(identity)
+            else:
+                del self._waiting[identity]
+            if not job.done.done():
+                return job
+            self._release(job.identity, job.size)  # cancelled meanwhile (a race encode() did not see)
+        return None
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            job = self._next()
+            if job is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            job.started = True
+            try:
+                ids = await loop.run_in_executor(self._executor, _encode, self.tokenizer, job.text)
+            except Exception as exc:  # the request fails with it; the worker goes on
+                if not job.done.done():
+                    job.done.set_exception(exc)
+            else:
+                if not job.done.done():
+                    job.done.set_result(ids)
+            finally:
+                self._release(job.identity, job.size)
 
     def _release(self, identity: bytes, size: int) -> None:
         left = self._queued.get(identity, 0) - size
@@ -117,10 +179,3 @@ class PromptIntake:
                            f"{limit}: at most {room} new tokens fit; lower max_tokens or leave it unset")
         return max_tokens
 
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
-    """From a tokenizer thread; a loop already closed (the daemon stopping) has nothing left to count."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        pass

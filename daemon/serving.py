@@ -142,9 +142,10 @@ class ServingCore(RequestAdmission, AdapterAdmin, HostTierAdmin, EngineEvents):
 
     async def _engine_up(self, slot: EngineSlot) -> None:
         hello = await slot.bring_up(self.adapters, self.policy, self.cache_policy, self.config.model.load_groups)
+        first = self.hello is None
         self.hello = self.hello or hello
         self.stats.link_bytes_per_s = hello.link_bytes_per_s
-        if self.tokenizer is None:
+        if first:  # once: a restarted engine runs the same model, and the intake's budgets must persist
             self.tokenizer = load_tokenizer(hello.model_dir)
             self.intake = self._make_intake(self.tokenizer, hello.max_model_len, hello.vocab_size)
         self.load_mode = hello.load_mode

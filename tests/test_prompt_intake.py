@@ -128,6 +128,36 @@ def test_a_clients_queued_bytes_are_bounded_and_others_are_not_held() -> None:
     intake.close()
 
 
+def test_clients_take_turns_at_the_tokenizer_and_a_cancelled_prompt_leaves_the_queue() -> None:
+    """One client's queue of prompts does not hold another's behind all of it."""
+    tok = GatedTokenizer()
+    order: list[str] = []
+    encode = tok.encode_batch
+
+    def recording(texts: list[str]) -> list[SimpleNamespace]:
+        order.append(texts[0][:2])
+        return encode(texts)
+
+    tok.encode_batch = recording
+    intake = PromptIntake(tok, max_model_len=10_000, vocab_size=512, threads=1, max_queued_bytes_per_client=MIB)
+
+    async def run() -> None:
+        heavy = [asyncio.create_task(intake.encode(b"heavy", f"h{i}" + _words(500, i))) for i in range(5)]
+        await asyncio.sleep(0.05)  # h0 is in the thread, h1..h4 wait
+        light = asyncio.create_task(intake.encode(b"light", "l0" + _words(500, 9)))
+        dropped = asyncio.create_task(intake.encode(b"gone", "g0" + _words(700, 10)))
+        await asyncio.sleep(0.05)
+        dropped.cancel()  # unstarted: its bytes are released at once
+        await asyncio.sleep(0.01)
+        assert intake.queued_bytes(b"gone") == 0 and intake.queued_bytes(b"heavy") == 5 * 502
+        tok.gate.set()
+        await asyncio.gather(light, *heavy)
+
+    asyncio.run(run())
+    intake.close()
+    assert order == ["h0", "h1", "l0", "h2", "h3", "h4"]  # first come first served: l0 would be sixth
+
+
 @pytest.mark.parametrize("prompt_len, max_tokens, expected", [
     (10, 90, 90), (10, None, 90), (99, None, 1), (10, 91, "context_length_exceeded"), (100, 1, "prompt_too_long"),
 ])

@@ -126,7 +126,10 @@ def test_admin_group_opens_admin_sock_to_that_group_only(demo, tmp_path: Path) -
 def test_unsafe_or_impossible_access_refuses_to_start(tmp_path: Path, env: dict[str, str], message: str) -> None:
     env = {k: v.format(port=_free_port()) for k, v in env.items()}
     proc = DaemonProcess(tmp_path, env=env)
-    with pytest.raises(RuntimeError, match="exited with 2"):
-        proc.start(timeout_s=60)
+    try:
+        with pytest.raises(RuntimeError, match="exited with 2"):
+            proc.start(timeout_s=60)
+    finally:
+        proc.stop()  # a daemon that did start must not outlive the test
     assert re.search(message, proc.log()), proc.log()
     assert not list(proc.runtime_dir.glob("*.sock")) if proc.runtime_dir.exists() else True
