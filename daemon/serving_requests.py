@@ -44,9 +44,8 @@ class RequestAdmission:
             raise Rejected(ErrorCode.DUPLICATE_REQUEST, f"request id {msg.request_id!r} is already in flight")
         self._check_adapter(msg)
         if msg.prompt is None:
-            ids = list(msg.prompt_token_ids or [])
-            max_tokens = self.intake.check_ids(ids, msg.max_tokens)
-            await self._route(self._register(identity, key, msg), ids, max_tokens)
+            max_tokens = self.intake.check_ids(msg.prompt_token_ids, msg.max_tokens)  # before copying them
+            await self._route(self._register(identity, key, msg), list(msg.prompt_token_ids), max_tokens)
         else:
             self.intake.check_text(msg.prompt)
             state = self._register(identity, key, msg)
