@@ -7,6 +7,7 @@ reading the TOML file: resolving devices, paths and pools happens where they are
 """
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -248,7 +249,8 @@ class ServerSettings(_Section):
         "Directory of the adapter registry; unset = $XDG_STATE_HOME/loraplex or ~/.local/state/loraplex.",
         "/var/lib/loraplex"))
     tcp_listen: str | None = field(default=None, metadata=_help(
-        "Also serve clients on this TCP endpoint (unencrypted and open to anyone unless tcp_curve_* are set).",
+        "Also serve clients on this TCP endpoint; without tcp_curve_* it is unencrypted and open to anyone "
+        "reaching it, so only a loopback address is accepted unless tcp_insecure is set.",
         "tcp://127.0.0.1:5555"))
     tcp_curve_secret_key_file: str | None = field(default=None, metadata=_help(
         "CURVE on tcp_listen: the server's secret key file (z85, mode 0600, from `loraplex keys generate DIR`); "
@@ -281,6 +283,19 @@ class ServerSettings(_Section):
         "Append one JSON line per scheduled step (engine, step, requests admitted, rows) to this file; "
         "`loraplex sim --decision-log` writes the same lines for a simulated trace. Unset = off.",
         "/var/log/loraplex/decisions.jsonl"))
+    # -- input bounds and socket access (issue 20) --
+    tokenizer_threads: int = field(default=2, metadata=_help(
+        "Threads that tokenize text prompts, off the event loop (one client's long prompts never delay "
+        "another's tokens)."))
+    max_queued_prompt_bytes_per_client: int = field(default=16 << 20, metadata=_help(
+        "Most bytes of text prompts one client connection may have waiting for the tokenizer threads; "
+        "more get a fast `overloaded` reply (one prompt alone always goes)."))
+    tcp_insecure: bool = field(default=False, metadata=_help(
+        "Allow tcp_listen on a non-loopback address without CURVE (anyone reaching the port can generate "
+        "and read stats); without it such a daemon refuses to start."))
+    admin_group: str | None = field(default=None, metadata=_help(
+        "Let this group use admin.sock (mode 0660, that group; the runtime directory becomes 0710 with "
+        "that group); unset = the daemon's user only (0600).", "loraplex-admin"))
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -316,6 +331,21 @@ class ServerSettings(_Section):
         self._positive("engines")
         if any(not d for d in self.adapter_dirs):
             raise ConfigError("server.adapter_dirs must not contain empty paths", "server.adapter_dirs")
+        self._check_access()
+
+    def _check_access(self) -> None:
+        """The input bounds, and no open TCP port unless the operator says so."""
+        self._positive("tokenizer_threads")
+        self._positive("max_queued_prompt_bytes_per_client")
+        if self.admin_group == "":
+            raise ConfigError("server.admin_group must be a group name or unset", "server.admin_group")
+        if self.tcp_listen is not None and self.tcp_curve_secret_key_file is None and not self.tcp_insecure \
+                and not is_loopback_endpoint(self.tcp_listen):
+            raise ConfigError(
+                f"server.tcp_listen {self.tcp_listen} is reachable from other hosts and has no CURVE keys, so anyone "
+                "who reaches it could generate and read stats: set server.tcp_curve_secret_key_file and "
+                "server.tcp_curve_allowed_keys, listen on 127.0.0.1, or set server.tcp_insecure = true",
+                "server.tcp_listen")
 
     @property
     def resolved_runtime_dir(self) -> Path:
@@ -383,6 +413,21 @@ def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
     if env.get("XDG_STATE_HOME"):
         return Path(env["XDG_STATE_HOME"]).expanduser() / "loraplex"
     return Path.home() / ".local" / "state" / "loraplex"
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """Whether a tcp:// endpoint listens on loopback only (localhost, 127.0.0.0/8, ::1); `*`, other
+    addresses, host and interface names count as reachable from elsewhere."""
+    match = _TCP_ENDPOINT.fullmatch(endpoint)
+    if match is None:
+        return False
+    host = match["host"].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def env_var(key: str) -> str:

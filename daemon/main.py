@@ -16,6 +16,7 @@ from typing import Callable
 
 import zmq.asyncio
 
+from loraplex.daemon.access import AccessError, set_socket_modes, warn_plain_tcp
 from loraplex.daemon.cache_link import CacheManagerLink
 from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
@@ -78,10 +79,16 @@ async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = No
                 return 2
             zap = start_authenticator(ctx, curve)
             listeners.append(Listener(2, make_router(ctx, config.server.tcp_listen, limits=limits, curve=curve),
-                                      admin=False))
+                                      admin=False, remote=True))
             sockets.append(listeners[-1].sock)
+            warn_plain_tcp(config.server)
         pub = make_pub(ctx, eps.stats, limits=limits)
         sockets.append(pub)
+        try:
+            set_socket_modes(eps, runtime_dir, config.server.admin_group)
+        except AccessError as exc:
+            log.error("%s", exc)
+            return 2
         spec = {**dataclasses.asdict(config.model), "shm_instance": instance_id(runtime_dir),
                 "max_num_seqs": config.scheduler.max_num_seqs}  # the largest decode batch: the largest graph
         engines = [engine_factory(ctx, runtime_dir, {**spec, "replica": i}, index=i,

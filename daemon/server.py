@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from loraplex.daemon.access import redact_for_remote
 from loraplex.daemon.registry import AdapterRegistry, RegistryError, check_adapter_path
 from loraplex.daemon.serving import Rejected, ServingCore
 from loraplex.ipc.errors import ErrorCode, ProtocolError
@@ -41,12 +42,14 @@ _ADMIN_ONLY = (AddAdapterRequest, RemoveAdapterRequest, PinAdapterRequest, Drain
 
 
 class Listener:
-    """A ROUTER socket with a one-byte tag, so identities from different sockets never collide."""
+    """A ROUTER socket with a one-byte tag, so identities from different sockets never collide.
+    `remote`: a TCP listener, whose clients never see server file paths."""
 
-    def __init__(self, tag: int, sock: AsyncTypedSocket, admin: bool) -> None:
+    def __init__(self, tag: int, sock: AsyncTypedSocket, admin: bool, remote: bool = False) -> None:
         self.tag = tag
         self.sock = sock
         self.admin = admin
+        self.remote = remote
 
 
 class Dispatcher:
@@ -61,6 +64,8 @@ class Dispatcher:
     async def send(self, identity: bytes, msg: Message) -> None:
         """Reply to a tagged identity; a vanished peer becomes ConnectionError for the core."""
         listener = self.listeners[identity[0]]
+        if listener.remote:
+            msg = redact_for_remote(msg)
         try:
             await listener.sock.send(msg, identity=identity[1:])
         except PeerUnavailable as exc:
@@ -86,6 +91,9 @@ class Dispatcher:
                                    code=ErrorCode.INTERNAL.value, message=f"internal error: {exc}"[:4000])
             if reply is not None:
                 await self._reply(identity, reply)
+            # A backlog of queued messages is received without suspending (the futures are
+            # already done): yield, so the step loops stream tokens between a flood's messages.
+            await asyncio.sleep(0)
 
     async def _reply(self, identity: bytes, msg: Message) -> None:
         try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from typing import Awaitable, Callable
 from typing import Sequence as SequenceOf
@@ -18,13 +17,15 @@ from typing import Sequence as SequenceOf
 from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
 from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.decision_log import DecisionLog, StepDecision
-from loraplex.daemon.detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from loraplex.daemon.detokenizer import load_tokenizer
 from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
 from loraplex.daemon.engine_slot import EngineSlot
+from loraplex.daemon.intake import PromptIntake
 from loraplex.daemon.replicas import Replicas, build_router
 from loraplex.daemon.serving_adapters import AdapterAdmin, Rejected
 from loraplex.daemon.serving_engines import EngineEvents
 from loraplex.daemon.serving_host import HostTierAdmin
+from loraplex.daemon.serving_requests import RequestAdmission, request_key
 from loraplex.daemon.router import ROUTERS
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.request_state import ClientRequest
@@ -33,8 +34,7 @@ from loraplex.daemon.scheduler.base import BaseScheduler
 from loraplex.daemon.scheduler.factory import POLICIES
 from loraplex.daemon.scheduler.sequence import Sequence, SeqRequest
 from loraplex.daemon.stats import ServingStats
-from loraplex.errors import CapacityError
-from loraplex.ipc.engine_plan import SamplingSpec, StepPlan
+from loraplex.ipc.engine_plan import StepPlan
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
     EngineFailure,
@@ -42,7 +42,6 @@ from loraplex.ipc.protocol import (
     EngineStep,
     EngineStepDone,
     ErrorReply,
-    GenerateRequest,
     Message,
     TokenChunk,
 )
@@ -52,7 +51,7 @@ Send = Callable[[bytes, Message], Awaitable[None]]
 MAX_STEP_FAILURES = 3
 
 
-class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
+class ServingCore(RequestAdmission, AdapterAdmin, HostTierAdmin, EngineEvents):
     def __init__(self, config: LoraplexConfig, engines: EngineLink | SequenceOf[EngineLink], send: Send,
                  make_cpu_pool: Callable[[], object] | None = None, cache: EngineLink | None = None) -> None:
         self.config = config
@@ -72,6 +71,8 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
         self.stats = ServingStats()
         self.hello: EngineHello | None = None
         self.tokenizer = None
+        self.intake = self._make_intake(None, 0, 0)  # replaced once an engine said what it runs
+        self._intake: dict[str, asyncio.Task] = {}  # request key -> its prompt being tokenized
         self.draining = False
         self.paused = False  # admin pause: requests queue up, no new step starts
         self.decisions: DecisionLog | None = None  # server.decision_log, opened by start()
@@ -141,16 +142,23 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
 
     async def _engine_up(self, slot: EngineSlot) -> None:
         hello = await slot.bring_up(self.adapters, self.policy, self.cache_policy, self.config.model.load_groups)
+        first = self.hello is None
         self.hello = self.hello or hello
         self.stats.link_bytes_per_s = hello.link_bytes_per_s
-        if self.tokenizer is None:
+        if first:  # once: a restarted engine runs the same model, and the intake's budgets must persist
             self.tokenizer = load_tokenizer(hello.model_dir)
+            self.intake = self._make_intake(self.tokenizer, hello.max_model_len, hello.vocab_size)
         self.load_mode = hello.load_mode
         if self.load_mode == "cpu_assist":
             await self._start_cpu_assist(hello)
         if self.load_mode == "cached":
             await slot.preload(self.adapters)
         slot.release_waiting()
+
+    def _make_intake(self, tokenizer, max_model_len: int, vocab_size: int) -> PromptIntake:
+        server = self.config.server
+        return PromptIntake(tokenizer, max_model_len, vocab_size, threads=server.tokenizer_threads,
+                            max_queued_bytes_per_client=server.max_queued_prompt_bytes_per_client)
 
     def set_policy(self, name: str) -> None:
         """Switch the scheduling policy at run time; takes effect before each engine's next step."""
@@ -232,6 +240,7 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
             await self._stop_cache()
         if self.decisions is not None:
             self.decisions.close()
+        self.intake.close()
 
     async def drain(self, timeout_s: float) -> bool:
         """Stop admitting; wait up to `timeout_s` for in-flight requests. True if all finished.
@@ -245,88 +254,9 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
         except asyncio.TimeoutError:
             return False
 
-    # ---- requests ---------------------------------------------------------------------------
-    async def submit(self, identity: bytes, msg: GenerateRequest) -> None:
-        if self.draining:
-            raise Rejected(ErrorCode.SHUTTING_DOWN, "the daemon is draining and accepts no new requests")
-        if len(self.requests) >= self.config.server.max_clients_inflight:
-            raise Rejected(ErrorCode.OVERLOADED, f"{len(self.requests)} requests in flight; try again later")
-        key = _key(identity, msg.request_id)
-        per_client = self._per_client.get(identity, 0)
-        if per_client >= self.config.server.max_requests_per_client:
-            raise Rejected(ErrorCode.OVERLOADED,
-                           f"this client already has {per_client} requests in flight (server.max_requests_per_client)")
-        if key in self.requests:
-            raise Rejected(ErrorCode.DUPLICATE_REQUEST, f"request id {msg.request_id!r} is already in flight")
-        if msg.adapter is not None:
-            entry = self.adapters.get(msg.adapter)
-            if entry is None:
-                raise Rejected(ErrorCode.UNKNOWN_ADAPTER, f"unknown adapter {msg.adapter!r}")
-            if entry.state != "ready":
-                raise Rejected(ErrorCode.INVALID_ADAPTER, f"adapter {msg.adapter!r} is not usable: {entry.error}")
-        prompt_ids = self._prompt_ids(msg)
-        state = ClientRequest(
-            key=key, identity=identity, msg=msg, prompt_ids=prompt_ids,
-            detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
-            stops=StopStringMatcher(list(msg.stop)) if msg.stop else None,
-            adapter_path="base" if msg.adapter is None else "cached",
-        )
-        seq = SeqRequest(
-            request_id=key, prompt_ids=prompt_ids, adapter=msg.adapter,
-            sampling=SamplingSpec(temperature=msg.temperature if msg.top_k != 1 else 0.0, top_p=msg.top_p,
-                                  top_k=msg.top_k, seed=msg.seed if msg.seed is not None else secrets.randbits(63),
-                                  logprobs=msg.logprobs),
-            max_tokens=msg.max_tokens, stop_token_ids=frozenset(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-            ttft_slo_s=None if msg.slo_ttft_ms is None else msg.slo_ttft_ms / 1e3,
-        )
-        self.requests[key] = state
-        self._per_client[identity] = per_client + 1
-        self._idle.clear()
-        if msg.adapter is not None and self.host_tier is not None:
-            self._note_tier(msg.adapter)
-        if msg.adapter is not None and self.adapters.get(msg.adapter).replacing:
-            self._held.setdefault(msg.adapter, []).append(seq)  # routed once the new weights are in
-        elif msg.adapter is not None and self._needs_host_load(msg.adapter):
-            self._hold_for_host(msg.adapter, seq)  # on disk: routed once the host store holds it
-        else:
-            slot = self.replicas.choose(seq, self.adapters)
-            try:
-                slot.enqueue(seq)
-            except CapacityError as exc:
-                del self.requests[key]
-                self._client_done(identity)
-                self._check_idle()
-                raise Rejected(ErrorCode.TOO_LARGE, str(exc)) from None
-            state.engine = slot.index
-            if msg.adapter is not None and slot.scheduler is not None:
-                slot.scheduler.adapters.note_arrival(msg.adapter)
-        self.stats.accepted(msg.adapter)
-        if msg.adapter is not None:
-            self.adapters.get(msg.adapter).requests += 1
-        if msg.deadline_ms is not None:
-            self._deadlines[key] = asyncio.get_running_loop().call_later(msg.deadline_ms / 1e3, self._deadline, key)
-
-    def _prompt_ids(self, msg: GenerateRequest) -> list[int]:
-        if msg.prompt is not None:
-            if self.tokenizer is None:
-                raise Rejected(ErrorCode.INVALID_FIELD, "this model has no tokenizer.json; send prompt_token_ids")
-            ids = self.tokenizer.encode(msg.prompt).ids
-            if not ids:
-                raise Rejected(ErrorCode.INVALID_FIELD, "the prompt encodes to no tokens")
-        else:
-            ids = list(msg.prompt_token_ids or [])
-        vocab = self.hello.vocab_size if self.hello else 0
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise Rejected(ErrorCode.INVALID_TOKEN, f"token id {bad} is outside the vocabulary (size {vocab})")
-        limit = self.hello.max_model_len if self.hello else 0
-        if len(ids) >= limit:
-            raise Rejected(ErrorCode.PROMPT_TOO_LONG,
-                           f"prompt has {len(ids)} tokens; the context holds {limit} (prompt + at least 1 new token)")
-        return ids
-
+    # ---- requests (admission: daemon/serving_requests.py) ------------------------------------
     async def cancel(self, identity: bytes, request_id: str) -> bool:
-        key = _key(identity, request_id)
+        key = request_key(identity, request_id)
         if key not in self.requests:
             return False
         await self._finish(key, "cancelled")
@@ -494,6 +424,9 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
         self._check_idle()
 
     def _abort(self, key: str) -> None:
+        task = self._intake.pop(key, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()  # its prompt bytes stay counted until the tokenizer thread is done with them
         timer = self._deadlines.pop(key, None)
         if timer is not None:  # a finished request's timer would hold its key until the deadline
             timer.cancel()
@@ -549,9 +482,5 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
             merged_adapter=first.merged_adapter if first is not None else None,
             max_loras_per_batch=self.config.scheduler.max_loras_per_batch,
             host_tier=self.host_snapshot(),
+            tokenizing=len(self._intake),
         )
-
-
-def _key(identity: bytes, request_id: str) -> str:
-    return identity.hex() + "/" + request_id
-

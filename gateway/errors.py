@@ -15,6 +15,7 @@ _DAEMON_STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.UNKNOWN_ADAPTER: (404, "model_not_found"),
     ErrorCode.NOT_FOUND: (404, "not_found"),
     ErrorCode.PROMPT_TOO_LONG: (400, "context_length_exceeded"),
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, "context_length_exceeded"),  # vLLM: 400 for prompt + max_tokens
     ErrorCode.INVALID_TOKEN: (400, "invalid_token"),
     ErrorCode.INVALID_FIELD: (400, "invalid_value"),
     ErrorCode.TOO_LARGE: (400, "too_large"),
@@ -73,7 +74,8 @@ def from_daemon(exc: LoraplexError, model: str | None = None) -> ApiError:
     if exc.code is ErrorCode.UNKNOWN_ADAPTER and model is not None:
         return model_not_found(model)
     status, code = _DAEMON_STATUS.get(exc.code, (500, exc.code.value))
-    param = "prompt" if exc.code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.INVALID_TOKEN) else None
+    param = "prompt" if exc.code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.INVALID_TOKEN) \
+        else "max_tokens" if exc.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED else None
     return ApiError(status, exc.message, code=code, param=param)
 
 

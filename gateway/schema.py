@@ -16,7 +16,9 @@ from loraplex.gateway.errors import bad_request
 from loraplex.ipc.messages.client import MAX_NEW_TOKENS
 
 Prompt = str | list[int]
-# Completions default (as OpenAI and vLLM); chat generates until a stop or the end of the context.
+# Completions default (as OpenAI and vLLM). Chat without max_tokens (or max_completion_tokens)
+# generates until a stop or the end of the context, as vLLM: the daemon gets max_tokens None and
+# gives the request what the context leaves after the prompt.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_PROMPTS_PER_REQUEST = 128
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -28,9 +30,10 @@ _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty":
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
-    """The generation parameters one HTTP request applies to each of its prompts."""
+    """The generation parameters one HTTP request applies to each of its prompts;
+    max_tokens None: until the context is full."""
 
-    max_tokens: int
+    max_tokens: int | None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -105,7 +108,7 @@ def parse_chat(body: object) -> ChatRequest:
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
     return ChatRequest(
         model=_model(b), messages=_messages(b.get("messages")), stream=stream, include_usage=include_usage,
-        sampling=_sampling(b, max_tokens or MAX_NEW_TOKENS, logprobs=_opt_bool(b, "logprobs", False)),
+        sampling=_sampling(b, max_tokens, logprobs=_opt_bool(b, "logprobs", False)),
         add_generation_prompt=_opt_bool(b, "add_generation_prompt", True), template_kwargs=kwargs,
     )
 
@@ -148,7 +151,7 @@ def _stream(b: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, _opt_bool(options, "include_usage", False)
 
 
-def _sampling(b: Mapping[str, Any], max_tokens: int, *, logprobs: bool) -> Sampling:
+def _sampling(b: Mapping[str, Any], max_tokens: int | None, *, logprobs: bool) -> Sampling:
     temperature = _opt_float(b, "temperature")
     top_p = _opt_float(b, "top_p")
     stop_ids = b.get("stop_token_ids") or []

@@ -425,7 +425,8 @@ class Client(_SyncBase):
         prompt: str | Sequence[int],
         adapter: str | None = None,
         *,
-        max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
+        max_tokens: int | None = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+        seed: int | None = None,
         stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
         timeout: float | None = None, request_id: str | None = None,
@@ -433,6 +434,9 @@ class Client(_SyncBase):
         """Generate a completion of `prompt` (text or token ids) with `adapter`
         (None: the base model) and wait for it.
 
+        max_tokens: new tokens at most; None fills what the context leaves after
+        the prompt. A prompt plus max_tokens longer than the model's context
+        fails at once with LoraplexError(context_length_exceeded), as vLLM's 400.
         timeout: seconds for the whole request (None: no limit, but a lost or
         hung daemon still fails it, see Liveness); on expiry the request is
         cancelled and LoraplexError(timeout) raised. request_id: your own id
@@ -456,7 +460,8 @@ class Client(_SyncBase):
         prompt: str | Sequence[int],
         adapter: str | None = None,
         *,
-        max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
+        max_tokens: int | None = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+        seed: int | None = None,
         stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
         timeout: float | None = None, request_id: str | None = None,

@@ -131,7 +131,7 @@ def generate_request(
     *,
     request_id: str | None,
     adapter: str | None,
-    max_tokens: int,
+    max_tokens: int | None,
     temperature: float,
     top_p: float,
     top_k: int,

@@ -31,6 +31,8 @@ class ErrorCode(str, Enum):
     # An add names an adapter that is already registered.
     ALREADY_EXISTS = "already_exists"
     PROMPT_TOO_LONG = "prompt_too_long"
+    # The prompt fits but prompt + max_tokens exceed the model's context (vLLM answers 400).
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     # A token id is negative or outside the model's vocabulary.
     INVALID_TOKEN = "invalid_token"
     # A request id is already in flight for this client.

@@ -18,6 +18,8 @@ ENV_RUNTIME_DIR = "LORAPLEX_RUNTIME_DIR"
 # sockaddr_un.sun_path is 108 bytes on Linux, including the trailing NUL.
 MAX_IPC_PATH_BYTES = 107
 _ENDPOINT_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+# A runtime directory its group may enter but not list (server.admin_group).
+GROUP_ENTER_MODE = 0o710
 
 
 class RuntimeDirError(PermissionError):
@@ -42,7 +44,9 @@ def ensure_runtime_dir(path: str | os.PathLike[str]) -> Path:
     Refuses (RuntimeDirError) a symlink, a non-directory, a directory owned by
     another user, or one that group or others can write: anyone who can write
     there could replace our socket files with their own. A directory we own
-    that others can merely read or enter is tightened to 0700.
+    that others can merely read or enter is tightened to 0700, except 0710:
+    the daemon opens it so to server.admin_group (its members may enter, not
+    list; each socket file's own mode decides who may connect).
     """
     target = Path(path)
     try:
@@ -69,7 +73,7 @@ def ensure_runtime_dir(path: str | os.PathLike[str]) -> Path:
             f"runtime directory {target} is writable by group or others (mode {stat.S_IMODE(info.st_mode):o}); "
             "fix it with chmod 700 or choose another directory"
         )
-    if stat.S_IMODE(info.st_mode) != 0o700:
+    if stat.S_IMODE(info.st_mode) not in (0o700, GROUP_ENTER_MODE):
         os.chmod(target, 0o700)
     return target
 

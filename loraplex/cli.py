@@ -188,7 +188,9 @@ def _configure_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--adapter", default=None, help="adapter name (default: the base model)")
     parser.add_argument("--stream", action="store_true", help="print tokens as they are produced")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="new tokens at most (default 64); more than the model's context leaves after the "
+                             "prompt is refused (context_length_exceeded), never cut")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)

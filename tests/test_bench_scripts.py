@@ -144,3 +144,15 @@ def test_least_squares_fit_recovers_a_known_line_and_refuses_one_point() -> None
     assert 0.0 < noisy["r2"] < 1.0
     with pytest.raises(ValueError):
         fit_line([4.0, 4.0], [1.0, 2.0])
+
+
+def test_flood_gap_json(cache: Path) -> None:
+    report = run_json("flood_gap.py", ["--requests", "2", "--clients", "2", "--prompt-bytes", "200000",
+                                       "--stream-s", "0.5"], cache)
+    assert report["benchmark"] == "flood_gap" and report["config"]["requests_per_client"] == 2
+    for phase in ("alone", "flooded"):
+        assert report[phase]["stream_error"] is None and report[phase]["tokens"] >= 1
+        assert positive(report[phase]["max_gap_ms"]) and report[phase]["p99_gap_ms"] <= report[phase]["max_gap_ms"]
+    assert report["flooded"]["flood"]["codes"] == {"prompt_too_long": 4}
+    assert report["daemon"]["healthy_after"] and report["daemon"]["exit_status"] == 0
+    assert report["env"]["cpu_count"] >= 1 and positive(report["daemon"]["rss_mib_after_flood"])

@@ -259,7 +259,8 @@ def test_render_toml_round_trips_a_non_default_config(tmp_path: Path) -> None:
     cfg = LoraplexConfig(
         model=ModelSettings(model="/m/\"quoted\"\tx", device="cuda:0", max_model_len=4096, pool_bytes=1 << 33),
         scheduler=SchedulerSettings(max_num_seqs=8, max_batched_tokens=8),
-        server=ServerSettings(state_dir="/s", tcp_listen="tcp://*:5555", adapter_dirs=("/a", "/b"), stats_interval_s=1e-3),
+        server=ServerSettings(state_dir="/s", tcp_listen="tcp://*:5555", tcp_insecure=True, adapter_dirs=("/a", "/b"),
+                              stats_interval_s=1e-3),
         adapters=(("qv.r8", "/x"), ("b", "/y")),
     )
     assert load_config(write(tmp_path, render_toml(cfg)), env={}) == cfg

@@ -150,7 +150,7 @@ def test_bad_requests_get_error_codes_and_others_keep_going(daemon):
 
 def test_cancel_and_disconnect_return_pages(daemon):
     with daemon.client() as client:
-        stream = client.stream(_prompts(1, seed=9)[0], adapter="mlp-r64", max_tokens=5000, ignore_eos=True,
+        stream = client.stream(_prompts(1, seed=9)[0], adapter="mlp-r64", max_tokens=4000, ignore_eos=True,
                                temperature=0.0, timeout=120)
         it = iter(stream)
         next(it)
@@ -160,7 +160,7 @@ def test_cancel_and_disconnect_return_pages(daemon):
     with daemon.client() as client:
         result: list = []
         worker = threading.Thread(target=lambda: result.append(client.generate(
-            [7, 7, 7], max_tokens=5000, ignore_eos=True, temperature=0.0, timeout=120, request_id="to-cancel")))
+            [7, 7, 7], max_tokens=4000, ignore_eos=True, temperature=0.0, timeout=120, request_id="to-cancel")))
         worker.start()
         deadline = time.monotonic() + 30
         while _kv_pages(daemon) == 0 and time.monotonic() < deadline:
@@ -172,7 +172,7 @@ def test_cancel_and_disconnect_return_pages(daemon):
     # A raw client that vanishes mid-stream: the daemon notices on its next send and frees the pages.
     ctx = zmq.Context()
     sock = make_dealer(ctx, f"ipc://{daemon.runtime_dir}/client.sock")
-    sock.send(GenerateRequest(request_id="vanish", prompt_token_ids=[5, 6, 7], max_tokens=5000, stream=True,
+    sock.send(GenerateRequest(request_id="vanish", prompt_token_ids=[5, 6, 7], max_tokens=4000, stream=True,
                               ignore_eos=True))
     sock.recv(timeout_ms=30000)
     sock.close()
@@ -292,6 +292,32 @@ def test_cli_generate_and_adapters(daemon, demo):
     bad = subprocess.run([sys.executable, "-m", "loraplex.cli", "generate", "--adapter", "nope", "x"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "unknown_adapter" in bad.stderr
+
+
+def test_max_tokens_past_the_context_is_refused_not_cut(daemon):
+    """vLLM answers 400; the daemon refuses before any token, in every client, and None fills the context."""
+    import subprocess
+    import sys
+
+    limit = 4096  # the demo model's context
+    prompt = _prompts(1, seed=21)[0]
+    with daemon.client() as client:
+        with pytest.raises(LoraplexError) as refused:
+            client.generate(prompt, max_tokens=limit - len(prompt) + 1, timeout=60)
+        assert refused.value.code.value == "context_length_exceeded"
+        assert f"at most {limit - len(prompt)} new tokens fit" in refused.value.message
+        stream = client.stream("Once upon a time", max_tokens=limit, timeout=60)
+        with pytest.raises(LoraplexError, match="context_length_exceeded"):
+            next(stream)  # the first thing the stream yields is the refusal
+        long_prompt = [3 + i % 500 for i in range(limit - 5)]
+        filled = client.generate(long_prompt, max_tokens=None, temperature=0.0, ignore_eos=True, timeout=120)
+        assert filled.finish_reason == "length" and len(filled.token_ids) == 5
+    env = {**os.environ, "LORAPLEX_RUNTIME_DIR": str(daemon.runtime_dir)}
+    out = subprocess.run([sys.executable, "-m", "loraplex.cli", "generate", "--stream", "--max-tokens", str(limit),
+                          "Hello"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "context_length_exceeded" in out.stderr
+    _wait_idle(daemon)
 
 
 def test_raw_socket_bad_inputs_get_stable_codes(daemon):
@@ -591,7 +617,7 @@ def test_vanished_client_of_a_non_streamed_request_is_noticed(daemon):
         "from loraplex.ipc.sockets import make_dealer\n"
         "from loraplex.ipc.protocol import GenerateRequest\n"
         f"s = make_dealer(zmq.Context(), 'ipc://{daemon.runtime_dir}/client.sock')\n"
-        "s.send(GenerateRequest(request_id='gone', prompt_token_ids=[5, 6, 7], max_tokens=100000, ignore_eos=True))\n"
+        "s.send(GenerateRequest(request_id='gone', prompt_token_ids=[5, 6, 7], max_tokens=4000, ignore_eos=True))\n"
         "sys.stdout.write('sent\\n'); sys.stdout.flush()\n"
         "import time; time.sleep(60)\n"
     )

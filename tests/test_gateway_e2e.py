@@ -222,6 +222,12 @@ def test_errors_are_openai_errors(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=BASE, prompt="hello " * 5000, max_tokens=2)
     assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
+    for stream in (False, True):  # prompt + max_tokens past the context: vLLM's 400, before any token
+        with pytest.raises(openai.BadRequestError) as info:
+            list(client.completions.create(model="qv-r8", prompt=[5, 6, 7], max_tokens=4094, stream=True)) \
+                if stream else client.completions.create(model="qv-r8", prompt=[5, 6, 7], max_tokens=4094)
+        assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
+        assert "at most 4093 new tokens fit" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=BASE, prompt="x", n=2)
     assert info.value.param == "n"
@@ -299,7 +305,7 @@ def test_a_client_that_disconnects_cancels_its_generation(gateway, daemon):
     with daemon.client() as c:
         before = c.stats()["cancelled"]
     with gateway.client() as client:
-        stream = client.completions.create(model="mlp-r64", prompt="a", max_tokens=5000, temperature=0.0,
+        stream = client.completions.create(model="mlp-r64", prompt="a", max_tokens=4000, temperature=0.0,
                                            stream=True, extra_body={"ignore_eos": True})
         for i, _ in enumerate(stream):
             if i == 3:

@@ -67,6 +67,8 @@ def test_chat_request_flattens_text_parts_and_refuses_the_rest():
     ], "max_completion_tokens": 9, "logprobs": True})
     assert [m["content"] for m in req.messages] == ["be brief", "a\nb", ""]
     assert req.sampling.max_tokens == 9 and req.sampling.logprobs and req.add_generation_prompt
+    # Without max_tokens a chat fills what the context leaves (vLLM), which only the daemon knows.
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}]}).sampling.max_tokens is None
     for bad in ({"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
                 {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                 {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
@@ -80,6 +82,7 @@ def test_chat_request_flattens_text_parts_and_refuses_the_rest():
 @pytest.mark.parametrize("code, status, openai_code", [
     (ErrorCode.UNKNOWN_ADAPTER, 404, "model_not_found"),
     (ErrorCode.PROMPT_TOO_LONG, 400, "context_length_exceeded"),
+    (ErrorCode.CONTEXT_LENGTH_EXCEEDED, 400, "context_length_exceeded"),
     (ErrorCode.INVALID_TOKEN, 400, "invalid_token"),
     (ErrorCode.OVERLOADED, 429, "overloaded"),
     (ErrorCode.UNAVAILABLE, 503, "unavailable"),
@@ -96,6 +99,8 @@ def test_daemon_errors_map_to_http(code, status, openai_code):
     assert set(body) == {"message", "type", "param", "code"}
     assert body["type"] == ("server_error" if status >= 500 else "rate_limit_error" if status == 429
                             else "invalid_request_error")
+    if code is ErrorCode.CONTEXT_LENGTH_EXCEEDED:
+        assert body["param"] == "max_tokens"
 
 
 # ---- chat templates -----------------------------------------------------------------------------

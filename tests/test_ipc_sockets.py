@@ -291,3 +291,16 @@ def test_unsafe_runtime_dirs_are_refused(monkeypatch: pytest.MonkeyPatch, tmp_pa
     monkeypatch.setattr(os, "getuid", lambda: real_uid + 1)
     with pytest.raises(RuntimeDirError, match="owned by uid"):
         ensure_runtime_dir(readable)
+
+
+def test_runtime_dir_opened_to_a_group_for_entering_only_is_kept(tmp_path: Path) -> None:
+    """server.admin_group sets 0710 (its members may enter, not list); any other looser mode is tightened."""
+    entered = tmp_path / "entered"
+    entered.mkdir()
+    os.chmod(entered, 0o710)
+    ensure_runtime_dir(entered)
+    assert stat.S_IMODE(os.stat(entered).st_mode) == 0o710
+    for loose in (0o750, 0o711, 0o701):
+        os.chmod(entered, loose)
+        ensure_runtime_dir(entered)
+        assert stat.S_IMODE(os.stat(entered).st_mode) == 0o700

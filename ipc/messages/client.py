@@ -40,6 +40,9 @@ class GenerateRequest(Message):
     """Generate a completion. Exactly one of `prompt` and `prompt_token_ids`.
 
     adapter: registered adapter name, or None for the base model.
+    max_tokens: new tokens at most; None fills what the context leaves after the
+    prompt (vLLM's behaviour when it is omitted). The daemon refuses a prompt plus
+    max_tokens longer than the context (`context_length_exceeded`), never cuts it.
     top_k: -1 disables it. seed: None draws from the daemon's generator.
     priority: lower values are served earlier (vLLM's convention).
     slo_ttft_ms: the time-to-first-token target admission control may use.
@@ -53,7 +56,7 @@ class GenerateRequest(Message):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     adapter: str | None = None
-    max_tokens: int = 64
+    max_tokens: int | None = 64
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -75,7 +78,8 @@ class GenerateRequest(Message):
             check_token_ids("prompt_token_ids", self.prompt_token_ids, min_len=1, max_len=MAX_PROMPT_TOKEN_IDS)
         if self.adapter is not None:
             check_name("adapter", self.adapter)
-        check_int("max_tokens", self.max_tokens, 1, MAX_NEW_TOKENS)
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, 1, MAX_NEW_TOKENS)
         check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         if self.top_k != -1:
