@@ -23,7 +23,7 @@ from loraplex.daemon.scheduler.dlora import DloraConfig, DloraScheduler
 from loraplex.daemon.scheduler.factory import POLICIES, make_scheduler
 from loraplex.daemon.scheduler.fcfs import FcfsScheduler
 from loraplex.daemon.scheduler.mlq import MlqConfig, MlqScheduler
-from loraplex.daemon.scheduler.sequence import SeqRequest, SeqStatus
+from loraplex.daemon.scheduler.sequence import SeqRequest, SeqStatus, Sequence
 from loraplex.ipc.engine_plan import StepPlan, StepResult
 from test_fcfs_scheduler import (
     ADAPTER_PAGES, VOCAB, FakeEngine, assert_drained, model_token, reference, request, worst_pages,
@@ -205,6 +205,20 @@ def test_clustering_prefers_running_adapters_within_a_skip_bound(max_skips, expe
     # Requests of the running adapter (and base-model ones, which add no LoRA) go first; a request
     # passed over max_skips times goes next regardless.
     assert_drained(sched)
+
+
+@settings(max_examples=100)
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
+       output=st.lists(st.integers(0, VOCAB - 1), max_size=12), data=st.data())
+def test_a_row_feeds_its_slice_of_prompt_and_output(prompt, output, data) -> None:
+    """token_slice reads prompt and output without joining them (a decode row used to copy the
+    whole prompt every step); it must still be that slice of the two."""
+    seq = Sequence(req=request("r", prompt, 20))
+    seq.output_ids = list(output)
+    tokens = prompt + output
+    start = data.draw(st.integers(0, len(tokens)))
+    stop = data.draw(st.integers(start, len(tokens)))
+    assert seq.token_slice(start, stop) == tokens[start:stop]
 
 
 def test_factory_builds_each_policy_and_refuses_unknown_names() -> None:
