@@ -132,6 +132,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     """Run the daemon in the foreground (torch stays in the engine process)."""
     from loraplex.daemon.config import ConfigError, load_config, parse_adapter_arg
     from loraplex.daemon.main import serve
+    from loraplex.ipc.socket_options import EndpointInUse
 
     overrides: dict[str, object] = {}
     for _, key, _, _ in _SERVE_FLAGS:
@@ -145,7 +146,15 @@ def _run_serve(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as exc:
         print(f"loraplex serve: error: {exc}", file=sys.stderr)
         return 2
-    return serve(config, reload_config=lambda: load_config(args.config, overrides=overrides))
+    try:
+        return serve(config, reload_config=lambda: load_config(args.config, overrides=overrides))
+    except EndpointInUse as exc:
+        print(f"loraplex serve: error: a daemon already serves {config.server.resolved_runtime_dir} ({exc.strerror}); "
+              "stop it first, or give this one another --runtime-dir", file=sys.stderr)
+        return 1
+    except OSError as exc:  # e.g. a runtime directory it may not create or write
+        print(f"loraplex serve: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _runtime_dir_arg(parser: argparse.ArgumentParser, *, inner: bool = False) -> None:
@@ -246,6 +255,7 @@ def _configure_adapters(parser: argparse.ArgumentParser) -> None:
 def _run_adapters(args: argparse.Namespace) -> int:
     """Through the running daemon's admin socket; with no daemon, straight on the registry."""
     from loraplex.ipc.client import AdminClient, LoraplexError
+    from loraplex.ipc.errors import ProtocolError
 
     try:
         with AdminClient(runtime_dir=args.runtime_dir) as admin:
@@ -255,6 +265,9 @@ def _run_adapters(args: argparse.Namespace) -> int:
         if exc.code.value != "unavailable":
             print(f"loraplex adapters: error: {exc}", file=sys.stderr)
             return 1
+    except ProtocolError as exc:  # refused before sending, e.g. a name like '../x'
+        print(f"loraplex adapters: error: {exc}", file=sys.stderr)
+        return 1
     return _adapters_via_registry(args)
 
 

@@ -2,12 +2,17 @@
 requests running), issue 20: `loraplex stats` prints a short summary (`--json` the whole
 document), `loraplex policy get` prints the policies in use, and `loraplex top`, fed the
 daemon's own stats document through Textual's run_test pilot, shows the live step time
-and batch on the engine row, the CPU workers, and every request in flight."""
+and batch on the engine row, the CPU workers, and every request in flight. Mistakes an
+operator makes (a second serve, an unsupported model, a path-traversal adapter name) get
+one line, not a traceback."""
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import subprocess
+import sys
 import time
 
 import pytest
@@ -125,3 +130,46 @@ def test_policy_get_prints_the_policies_in_use(busy, capsys: pytest.CaptureFixtu
     finally:  # the daemon is shared by this module's tests
         assert cli_main(["policy", "set", "cache", "lru", *runtime]) == 0
         assert cli_main(["policy", "set", "scheduler", "fcfs", *runtime]) == 0
+
+
+def _serve(*args: str, env: dict[str, str], timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "loraplex.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def test_a_second_serve_on_a_busy_runtime_directory_is_one_line(busy) -> None:
+    daemon, _, _ = busy
+    proc = _serve("serve", env=daemon.env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"loraplex serve: error: a daemon already serves {daemon.runtime_dir} (another process is listening on "
+        f"{daemon.runtime_dir / 'client.sock'}); stop it first, or give this one another --runtime-dir")
+    with daemon.client() as client:
+        assert client.ping(timeout=5.0) >= 0  # the first daemon is untouched
+
+
+def test_an_unsupported_model_type_is_one_line(tmp_path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    kind = random.choice(["gpt2", "falcon", "mamba"])
+    (model / "config.json").write_text(json.dumps({"model_type": kind, "hidden_size": 64}))
+    env = {**os.environ, "LORAPLEX_RUNTIME_DIR": str(tmp_path / "rt"), "LORAPLEX_STATE_DIR": str(tmp_path / "state")}
+    proc = _serve("serve", "--model", str(model), env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    # The child says why in one line, and the daemon passes the reason on (not "exited with status 2").
+    assert f"the engine could not start: cache manager failed to start: unsupported model_type '{kind}'" \
+        in proc.stderr, proc.stderr
+
+
+def test_a_path_traversal_adapter_name_is_one_line(busy, demo, tmp_path, capsys) -> None:
+    daemon, _, _ = busy
+    name = random.choice(["../../etc", "../x", "a/../b"])
+    runtime = ["--runtime-dir", str(daemon.runtime_dir)]
+    for argv in (["adapters", *runtime, "add", name, str(demo.adapters["qv-r8"])], ["adapters", *runtime, "rm", name]):
+        assert cli_main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("loraplex adapters: error: [invalid_field] name: must be 1..128 chars") and \
+            err.count("\n") == 1, err
+    env = {**os.environ, "LORAPLEX_RUNTIME_DIR": str(tmp_path / "rt"), "LORAPLEX_STATE_DIR": str(tmp_path / "state")}
+    proc = _serve("serve", "--adapter", f"{name}={demo.adapters['qv-r8']}", env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
