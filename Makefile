@@ -10,8 +10,12 @@ TORCH_VERSION ?= 2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_CPU_INDEX ?=
 PYTEST_ARGS ?=
+# Property tests: `ci` replays the same derandomized examples on every run (tests/conftest.py);
+# `make fuzz` draws fresh ones, FUZZ_SCALE times as many.
+HYPOTHESIS_PROFILE ?= ci
+FUZZ_SCALE ?= 20
 
-.PHONY: run demo test venv bench gpu-check clean
+.PHONY: run demo test fuzz venv bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +47,10 @@ demo: venv
 	$(PY) -m loraplex.cli demo
 
 test: venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	LORAPLEX_HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PY) -m pytest $(PYTEST_ARGS)
+
+fuzz: venv
+	LORAPLEX_HYPOTHESIS_PROFILE=fuzz LORAPLEX_FUZZ_SCALE=$(FUZZ_SCALE) $(PY) -m pytest -m hypothesis $(PYTEST_ARGS)
 
 bench: venv
 	$(PY) bench/engine_throughput.py --json

@@ -258,6 +258,10 @@ class EngineSlot:
         info.update({
             "healthy": self.healthy, "steps": self.steps, "tokens": self.tokens,
             "tokens_per_s": self.tokens / self.busy_s if self.busy_s > 0 else 0.0,
+            # The engine row of `loraplex top`: recent step time (a moving average; None before the
+            # first step) and the batch now, the sequences in it.
+            "step_ms": self.step_times.mean_ms if self.steps else None,
+            "batch_rows": len(sched.running) if sched else 0,
             "running": len(sched.running) if sched else 0,
             "waiting": (len(sched.waiting) if sched else 0) + len(self.pending) + len(self.carried),
             "pool_used_pct": None if usage is None or not usage.total else (usage.total - usage.free) / usage.total * 100,

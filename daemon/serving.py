@@ -33,7 +33,7 @@ from loraplex.daemon.cache.policies import POLICY_NAMES
 from loraplex.daemon.scheduler.base import BaseScheduler
 from loraplex.daemon.scheduler.factory import POLICIES
 from loraplex.daemon.scheduler.sequence import Sequence, SeqRequest
-from loraplex.daemon.stats import ServingStats
+from loraplex.daemon.stats import ServingStats, in_flight_rows
 from loraplex.ipc.engine_plan import StepPlan
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
@@ -477,10 +477,13 @@ class ServingCore(RequestAdmission, AdapterAdmin, HostTierAdmin, EngineEvents):
             paused=self.paused,
             preemptions=sum(s.num_preemptions for s in scheds),
             scheduler=self.policy,
+            cache_policy=self.cache_policy,  # also before an engine is up (cache.policy needs one)
             running_adapters=sorted({q.req.adapter for s in scheds for q in s.running if q.req.adapter}),
             waiting_adapters=sorted({q.req.adapter for s in scheds for q in s.waiting if q.req.adapter}),
             merged_adapter=first.merged_adapter if first is not None else None,
             max_loras_per_batch=self.config.scheduler.max_loras_per_batch,
             host_tier=self.host_snapshot(),
             tokenizing=len(self._intake),
+            in_flight=in_flight_rows(self.requests.values(), scheds, time.monotonic()),
+            in_flight_total=len(self.requests),
         )

@@ -5,14 +5,18 @@ Torch-free; bounded memory (recent windows are fixed-size deques).
 """
 from __future__ import annotations
 
+import heapq
 import time
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from loraplex.ipc.engine_plan import StepPlan, StepResult
 from loraplex.ipc.protocol import DoneReply
 
 WINDOW = 1024
+IN_FLIGHT_ROWS = 50  # requests listed in a snapshot, oldest first (`in_flight_total` counts them all)
 RATE_WINDOW_S = 5.0  # MB/s figures are averaged over this many seconds
 # purpose -> direction of the link it uses
 TRANSFER_PURPOSES = {"adapter_h2d": ("adapter_loads", "h2d"), "assist_d2h": ("cpu_assist", "d2h"),
@@ -133,3 +137,20 @@ class ServingStats:
             "policy_ms_mean": sum(self.policy_ms) / len(self.policy_ms) if self.policy_ms else 0.0,
             **live,
         }
+
+
+def in_flight_rows(requests: Iterable[Any], schedulers: Iterable[Any], now: float,
+                   limit: int = IN_FLIGHT_ROWS) -> list[dict[str, object]]:
+    """The oldest `limit` requests in flight (daemon ClientRequests) for the console's list:
+    the client's request id, adapter, state, tokens generated so far and age. State: queued
+    (in an engine's queue), prefill or decode (in its batch), held (waiting for an engine or
+    for its adapter's new weights, in no queue yet)."""
+    state: dict[str, str] = {}
+    for sched in schedulers:
+        for seq in sched.waiting:
+            state[seq.request_id] = "queued"
+        for seq in sched.running:
+            state[seq.request_id] = "prefill" if seq.num_computed < len(seq.req.prompt_ids) else "decode"
+    return [{"id": r.request_id, "adapter": r.msg.adapter, "state": state.get(r.key, "held"),
+             "tokens": len(r.token_ids), "age_s": max(0.0, now - r.arrival), "engine": r.engine}
+            for r in heapq.nsmallest(limit, requests, key=lambda r: r.arrival)]

@@ -12,6 +12,7 @@ appended once the daemon handed it over on stdin.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -21,14 +22,17 @@ from typing import Callable, TypeVar
 
 import zmq
 
+from loraplex.gpu_engine.model.config import UnsupportedModelError
 from loraplex.gpu_engine.runtime import EngineSpec
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.heartbeat import HEARTBEAT_FD_FLAG, start_beating
 from loraplex.ipc.protocol import EngineFailure
+from loraplex.ipc.socket_options import DEFAULT_SOCKET_LIMITS
 from loraplex.ipc.sockets import TypedSocket, make_dealer
 from loraplex.lifetime import die_with_parent
 
 State = TypeVar("State")
+LINGER_MS = 2000  # how long closing the daemon socket may wait for a last message to go out
 
 
 def run_child(role: str, what: str, argv: list[str] | None, start: Callable[[EngineSpec], State],
@@ -48,13 +52,18 @@ def run_child(role: str, what: str, argv: list[str] | None, start: Callable[[Eng
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which drains and then stops us
     ctx = zmq.Context()
-    sock = make_dealer(ctx, args.endpoint)
+    # A linger, so that a start failure sent just before exiting is not dropped with the socket
+    # (the daemon then knew only "exited with status 2", not why).
+    sock = make_dealer(ctx, args.endpoint, limits=dataclasses.replace(DEFAULT_SOCKET_LIMITS, linger_ms=LINGER_MS))
     try:
         try:
             spec = EngineSpec(**json.loads(args.spec))
             state = start(spec)
         except Exception as exc:  # report why we cannot start, then exit: restarting will not help
-            log.error("%s failed to start: %s", what, traceback.format_exc())
+            # A refusal of what it was given (an unsupported model_type, an unreadable or missing
+            # file) is one line; anything else is a bug, and its traceback is what its fixer needs.
+            expected = isinstance(exc, (UnsupportedModelError, json.JSONDecodeError, OSError))
+            log.error("%s failed to start: %s", what, exc if expected else traceback.format_exc())
             sock.send(EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"{what} failed to start: {exc}",
                                     fatal=True))
             return 2

@@ -133,6 +133,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     """Run the daemon in the foreground (torch stays in the engine process)."""
     from loraplex.daemon.config import ConfigError, load_config, parse_adapter_arg
     from loraplex.daemon.main import serve
+    from loraplex.ipc.socket_options import EndpointInUse
 
     overrides: dict[str, object] = {}
     for _, key, _, _ in _SERVE_FLAGS:
@@ -146,11 +147,21 @@ def _run_serve(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as exc:
         print(f"loraplex serve: error: {exc}", file=sys.stderr)
         return 2
-    return serve(config, reload_config=lambda: load_config(args.config, overrides=overrides))
+    try:
+        return serve(config, reload_config=lambda: load_config(args.config, overrides=overrides))
+    except EndpointInUse as exc:
+        print(f"loraplex serve: error: a daemon already serves {config.server.resolved_runtime_dir} ({exc.strerror}); "
+              "stop it first, or give this one another --runtime-dir", file=sys.stderr)
+        return 1
+    except OSError as exc:  # e.g. a runtime directory it may not create or write
+        print(f"loraplex serve: error: {exc}", file=sys.stderr)
+        return 1
 
 
-def _runtime_dir_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--runtime-dir", type=Path, default=None,
+def _runtime_dir_arg(parser: argparse.ArgumentParser, *, inner: bool = False) -> None:
+    """inner: on an action's subparser too (`policy get --runtime-dir D`); its unset default must
+    not override the value given before the action (`policy --runtime-dir D get`)."""
+    parser.add_argument("--runtime-dir", type=Path, default=argparse.SUPPRESS if inner else None,
                         help="the daemon's runtime directory (default: $LORAPLEX_RUNTIME_DIR or the default one)")
 
 
@@ -247,6 +258,7 @@ def _configure_adapters(parser: argparse.ArgumentParser) -> None:
 def _run_adapters(args: argparse.Namespace) -> int:
     """Through the running daemon's admin socket; with no daemon, straight on the registry."""
     from loraplex.ipc.client import AdminClient, LoraplexError
+    from loraplex.ipc.errors import ProtocolError
 
     try:
         with AdminClient(runtime_dir=args.runtime_dir) as admin:
@@ -256,6 +268,9 @@ def _run_adapters(args: argparse.Namespace) -> int:
         if exc.code.value != "unavailable":
             print(f"loraplex adapters: error: {exc}", file=sys.stderr)
             return 1
+    except ProtocolError as exc:  # refused before sending, e.g. a name like '../x'
+        print(f"loraplex adapters: error: {exc}", file=sys.stderr)
+        return 1
     return _adapters_via_registry(args)
 
 
@@ -308,26 +323,33 @@ def _adapters_via_registry(args: argparse.Namespace) -> int:
 
 def _configure_stats(parser: argparse.ArgumentParser) -> None:
     _client_args(parser)
+    parser.add_argument("--json", action="store_true", help="print the whole stats document as JSON")
 
 
 def _run_stats(args: argparse.Namespace) -> int:
+    """A short summary of the running daemon, or with --json its whole stats document."""
     import json
 
     from loraplex.ipc.client import LoraplexError
+    from loraplex.tui.summary import summary_lines
 
     try:
         with _client(args) as client:
-            print(json.dumps(client.stats(), indent=2, sort_keys=True))
+            stats = client.stats()
     except (LoraplexError, ValueError) as exc:
         print(f"loraplex stats: error: {exc}", file=sys.stderr)
         return 1
+    print(json.dumps(stats, indent=2, sort_keys=True) if args.json else "\n".join(summary_lines(stats)))
     return 0
 
 
 def _configure_policy(parser: argparse.ArgumentParser) -> None:
     _runtime_dir_arg(parser)
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    getter = sub.add_parser("get", help="print the scheduler, cache policy and router the running daemon uses")
+    _runtime_dir_arg(getter, inner=True)
     setter = sub.add_parser("set", help="switch a policy of the running daemon")
+    _runtime_dir_arg(setter, inner=True)
     setter.add_argument("kind", choices=("scheduler", "cache", "router"),
                         help="scheduler (fcfs, mlq, dlora), cache (none, lru, fifo, cost) or router "
                              "(random, first_fit, most_idle, rank_aware, dlora)")
@@ -335,16 +357,23 @@ def _configure_policy(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_policy(args: argparse.Namespace) -> int:
-    """Switch the scheduling policy, cache policy or engine router at run time (admin socket)."""
+    """Show, or switch at run time, the scheduling policy, cache policy or engine router (admin socket)."""
     from loraplex.ipc.client import AdminClient, LoraplexError
 
     try:
         with AdminClient(runtime_dir=args.runtime_dir) as admin:
-            detail = admin.set_policy(args.kind, args.name)
+            if args.action == "get":
+                stats = admin.stats()
+                current = {"scheduler": stats.get("scheduler"), "cache": stats.get("cache_policy"),
+                           "router": stats.get("router")}
+            else:
+                detail = admin.set_policy(args.kind, args.name)
+                current = {args.kind: detail.get(args.kind, args.name)}
     except LoraplexError as exc:
         print(f"loraplex policy: error: {exc}", file=sys.stderr)
         return 1
-    print(f"{args.kind}: {detail.get(args.kind, args.name)}")
+    for kind, name in current.items():
+        print(f"{kind}: {name if name is not None else 'unknown'}")
     return 0
 
 
@@ -459,10 +488,11 @@ COMMANDS: dict[str, Command] = {
                         run=_run_generate),
     "adapters": Command(help="list, add, remove or pin adapters", configure=_configure_adapters,
                         run=_run_adapters),
-    "stats": Command(help="print the daemon's metrics as JSON", configure=_configure_stats, run=_run_stats),
+    "stats": Command(help="a summary of the daemon's metrics (--json: the whole document)", configure=_configure_stats,
+                     run=_run_stats),
     "keys": Command(help="CURVE key pairs for the tcp listener (server.tcp_curve_*) and its clients",
                     configure=_configure_keys, run=_run_keys),
-    "policy": Command(help="switch the scheduler, cache policy or engine router of the running daemon",
+    "policy": Command(help="show or switch the scheduler, cache policy or engine router of the running daemon",
                       configure=_configure_policy, run=_run_policy),
     "pause": Command(help="hold scheduling of the running daemon: requests are accepted and queue up, no new step "
                           "starts (steps in flight finish)", configure=_runtime_dir_arg,

@@ -23,7 +23,7 @@ from loraplex.daemon.scheduler.dlora import DloraConfig, DloraScheduler
 from loraplex.daemon.scheduler.factory import POLICIES, make_scheduler
 from loraplex.daemon.scheduler.fcfs import FcfsScheduler
 from loraplex.daemon.scheduler.mlq import MlqConfig, MlqScheduler
-from loraplex.daemon.scheduler.sequence import SeqRequest, SeqStatus
+from loraplex.daemon.scheduler.sequence import SeqRequest, SeqStatus, Sequence
 from loraplex.ipc.engine_plan import StepPlan, StepResult
 from test_fcfs_scheduler import (
     ADAPTER_PAGES, VOCAB, FakeEngine, assert_drained, model_token, reference, request, worst_pages,
@@ -143,9 +143,10 @@ def test_every_policy_gives_the_reference_tokens(policy, w) -> None:
     assert_drained(sched)
 
 
-# Both found by the property test (MLQ, a one-token budget, a pool just big enough for the
-# largest request): one sequence held pages mid-prefill while another, served first, took the
-# one token each step, ran out of pages and preempted itself, over and over.
+# All found by the property test (MLQ, a one-token budget, a pool just big enough for the
+# largest request, or one page more): one sequence held pages mid-prefill while another,
+# served first, took the one token each step, ran out of pages and preempted itself, over
+# and over.
 LIVELOCKS = {
     "end of prefill": (dict(page_tokens=2, max_model_len=32, max_num_seqs=4), [
         (5, "r0", [12, 0, 36], None, 7, True, 0), (2, "r1", [0], "cat", 5, True, 0),
@@ -157,6 +158,15 @@ LIVELOCKS = {
         (0, "r3", [0, 14, 0, 39, 0, 0, 0, 0, 0, 0, 0], "ada", 10, False, 0),
         (2, "r1", [39, 14, 0, 0, 0, 0, 0, 0, 0, 0, 0], None, 7, False, 0),
         (7, "r2", [0], None, 1, False, 0)]),
+    # Issue 20 (failed `make test` once in two runs): the preempted r2 was let back in because
+    # its own resident adapter counted both as pages it keeps and as room for its KV, one page
+    # short of what it needed; MLQ served it ahead of r3 (holding the rest mid-prefill), so it
+    # ran out again and preempted itself, forever. FCFS and dLoRA finish in 56 steps.
+    "own adapter counted twice": (dict(page_tokens=4, max_model_len=30, max_num_seqs=5, slack=1), [
+        (0, "r0", [0] * 3, None, 4, False, 0), (0, "r3", [0] * 3, "cat", 8, False, 0),
+        (0, "r4", [0] * 5, None, 1, False, 0), (0, "r6", [0], None, 4, False, 0),
+        (2, "r2", [0], "ada", 10, False, 0), (2, "r5", [0], None, 1, False, 0),
+        (7, "r1", [0] * 14, None, 7, False, 0)]),
 }
 
 
@@ -169,7 +179,7 @@ def test_a_preempted_sequence_does_not_preempt_itself_forever(policy, case) -> N
     for step, rid, prompt, adapter, max_tokens, ignore_eos, seed in trace:
         arrivals.setdefault(step, []).append(request(rid, prompt, max_tokens, adapter, seed=seed,
                                                      ignore_eos=ignore_eos))
-    w = dict(shape, reqs=arrivals, slack=0, max_batched_tokens=1, cluster=False, max_loras=0)
+    w = {"slack": 0, **shape, "reqs": arrivals, "max_batched_tokens": 1, "cluster": False, "max_loras": 0}
     clock = FakeClock()
     engine = TimedEngine(build_for(policy, w, clock), clock)
     drive(engine, arrivals, max_steps=2_000)
@@ -195,6 +205,20 @@ def test_clustering_prefers_running_adapters_within_a_skip_bound(max_skips, expe
     # Requests of the running adapter (and base-model ones, which add no LoRA) go first; a request
     # passed over max_skips times goes next regardless.
     assert_drained(sched)
+
+
+@settings(max_examples=100)
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
+       output=st.lists(st.integers(0, VOCAB - 1), max_size=12), data=st.data())
+def test_a_row_feeds_its_slice_of_prompt_and_output(prompt, output, data) -> None:
+    """token_slice reads prompt and output without joining them (a decode row used to copy the
+    whole prompt every step); it must still be that slice of the two."""
+    seq = Sequence(req=request("r", prompt, 20))
+    seq.output_ids = list(output)
+    tokens = prompt + output
+    start = data.draw(st.integers(0, len(tokens)))
+    stop = data.draw(st.integers(start, len(tokens)))
+    assert seq.token_slice(start, stop) == tokens[start:stop]
 
 
 def test_factory_builds_each_policy_and_refuses_unknown_names() -> None:

@@ -17,7 +17,7 @@ from loraplex.tui.modals import ActionForm, Confirm
 from loraplex.tui.panel_widget import PanelWidget
 from tests.test_tui_support import FakeAdmin, base_snapshot, full_snapshot, not_found, screen_text
 
-TITLES = ("Daemon health", "Requests", "Queues", "Cache", "PCIe", "Workers", "Engines")
+TITLES = ("Daemon health", "Requests", "Queues", "Cache", "PCIe", "Workers", "Engines", "In flight")
 
 
 def run(scenario, *, admin: FakeAdmin | None = None, size=(100, 40), **kw):
@@ -297,14 +297,33 @@ def test_sizes_render_every_panel(size):
         text = screen_text(app)
         lines = text.splitlines()
         assert len(lines) == size[1] and all(len(line) <= size[0] for line in lines)
-        for title in TITLES:
-            assert title in text, title
+        tall = size[1] >= TALL_ROWS
+        for title in TITLES:  # the in-flight list only where it does not squeeze the others
+            assert (title in text) == (tall or title != "In flight"), title
         assert "TTFT" in text and "88.2ms" in text and "hit 87.5%" in text
         assert app.query_one("#grid").has_class("wide") == (size[0] >= WIDE_COLUMNS)
-        assert app.screen.has_class("compact") == (size[1] < TALL_ROWS)
+        assert app.screen.has_class("compact") == (not tall)
         await pilot.resize_terminal(80, 24)
         await pilot.pause(0.05)
-        assert "Engines" in screen_text(app)
+        assert "Engines" in screen_text(app) and "In flight" not in screen_text(app)
+
+    run(scenario, size=size)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+def test_l_shows_and_hides_the_requests_in_flight(size):
+    async def scenario(app, pilot, feed):
+        await feed_snapshots(pilot, feed, [full_snapshot(uptime=10.0 + i) for i in range(2)])
+        tall = size[1] >= TALL_ROWS
+        assert app.requests_shown() == tall
+        await pilot.press("l")
+        await pilot.pause(0.05)
+        text = screen_text(app)
+        assert app.requests_shown() != tall and ("chat-7f3a" in text) != tall
+        await pilot.press("l")
+        await pilot.pause(0.05)
+        assert app.requests_shown() == tall and ("chat-7f3a" in screen_text(app)) == tall
+        assert "l Requests" in screen_text(app)  # the key is in the footer
 
     run(scenario, size=size)
 

@@ -9,6 +9,7 @@ from loraplex.tui.format import MISSING, dig, fmt_count, fmt_duration, fmt_ms, s
 from loraplex.tui.history import History, flatten
 from loraplex.tui.panels import HEALTH, PANELS, plain_text
 from loraplex.tui.panels.cache import hit_rate
+from loraplex.tui.summary import summary_lines
 from loraplex.tui.view import Link, View
 from tests.test_tui_support import base_snapshot, full_snapshot
 
@@ -32,7 +33,8 @@ def live(stats: dict, **kw) -> View:
 
 
 def test_panel_titles_are_the_ones_operators_look_for():
-    assert [s.title for s in ALL] == ["Daemon health", "Requests", "Queues", "Cache", "PCIe", "Workers", "Engines"]
+    assert [s.title for s in ALL] == ["Daemon health", "Requests", "Queues", "Cache", "PCIe", "Workers", "Engines",
+                                      "In flight"]
 
 
 def test_requests_panel_shows_counts_latency_slo_and_errors():
@@ -86,11 +88,43 @@ def test_workers_tokens_per_s_derived_from_counters():
     assert "100" in text.splitlines()[2]  # 100 tokens per second of uptime
 
 
-def test_engines_panel_from_engines_list_and_from_todays_keys():
+def test_engines_panel_from_engines_list_and_from_a_daemon_without_one():
     text = render("engines", live(full_snapshot()))
     assert "6.5ms" in text and "7.5" in text and "70.0%" in text and "up" in text
-    text = render("engines", live(base_snapshot()))  # no `engines`: one row from engine/latency/pool
+    row = next(line for line in render("engines", live(base_snapshot())).splitlines() if line.startswith("0 "))
+    assert row.split() == ["0", "up", "6.8ms", "7.0", "70.0%"]  # the daemon's live step and batch (issue 20)
+    older = {k: v for k, v in base_snapshot().items() if k != "engines"}
+    text = render("engines", live(older))  # no `engines`: one row from engine/latency/pool
     assert "6.5ms" in text and "7.5" in text and "70.0%" in text
+
+
+def test_workers_panel_reads_the_cpu_assist_pool_and_says_why_it_is_empty():
+    s = base_snapshot()
+    s["load_mode"], s["workers"] = "cpu_assist", []
+    s["cpu_assist"] = {"jobs": 3, "workers": [{"index": 0, "pid": 7001, "alive": True, "ready": True, "starts": 1},
+                                              {"index": 1, "pid": 7002, "alive": False, "ready": False, "starts": 3}]}
+    text = render("workers", live(s))
+    assert "workers 2" in text and "n/a" not in text
+    rows = [line.split() for line in text.splitlines() if line[:1].isdigit()]
+    assert [r[:3] for r in rows] == [["0", "7001", "up"], ["1", "7002", "down"]] and rows[1][-1] == "2"
+    assert "no CPU LoRA workers (on_demand loads)" in render("workers", live(base_snapshot()))
+    assert "CPU LoRA pool n/a" in render("workers", live({"uptime_s": 1.0}))  # a daemon that says nothing
+
+
+def test_in_flight_panel_lists_requests_oldest_first_with_moving_ages():
+    view = live(base_snapshot())
+    text = render("inflight", view, width=70)
+    lines = text.splitlines()
+    assert lines[0].split() == ["request", "adapter", "state", "tokens", "age"]
+    assert lines[1].split() == ["chat-7f3a", "qv-r8", "decode", "212", "10s"]  # 9.5 s at the snapshot + 0.1
+    assert lines[2].split()[:3] == ["lpx-0c41d2e9b6a8", "<base>", "prefill"]
+    assert "+17 more in flight not listed" in text
+    later = View(stats=view.stats, history=view.history, link=Link.LIVE, age_s=60.0)
+    assert "1m09s" in render("inflight", later, width=70)
+    assert "no requests in flight" in render("inflight", live({**base_snapshot(), "in_flight": [],
+                                                                "in_flight_total": 0}))
+    older = {k: v for k, v in base_snapshot().items() if k != "in_flight"}
+    assert "request list n/a" in render("inflight", live(older))
 
 
 def test_health_line_live_disconnected_and_connecting():
@@ -123,7 +157,7 @@ def test_todays_daemon_renders_with_placeholders_not_zeros():
     assert "per-lane stats n/a" in render("queues", view) and "13" in render("queues", view)
     pcie = render("pcie", view)
     assert "PCIe counters n/a" in pcie and "0 MB/s" not in pcie
-    assert "CPU LoRA pool n/a" in render("workers", view)
+    assert "no CPU LoRA workers" in render("workers", view)
     cache = render("cache", view, width=70)
     assert "hit 87.5%" in cache  # 350 cached of 400 adapter requests (base excluded)
     assert "qv-r8" in cache and "all-r32" in cache
@@ -140,13 +174,31 @@ def test_cache_rows_use_the_admin_adapter_list_when_cache_stats_are_missing():
     {},
     {"queues": "nope", "cache": 3, "pcie": [1, 2], "workers": {"a": 1}, "engines": None, "latency": "x",
      "pool": {"total": "600"}, "recent_errors": [1, "x", {"code": "c"}], "engine": [], "uptime_s": float("nan")},
-    {"queues": [{"name": None, "depth": "x"}], "workers": [{}], "engines": [{}], "cache": {"adapters": [{}]}},
+    {"queues": [{"name": None, "depth": "x"}], "workers": [{}], "engines": [{}], "cache": {"adapters": [{}]},
+     "in_flight": [{}, {"id": None, "age_s": "old", "tokens": -1}], "in_flight_total": "many"},
+    {"in_flight": "x", "cpu_assist": {"workers": [{"starts": "x"}]}, "host_tier": {"used_bytes": "x"}, "pool": 7},
 ])
 @pytest.mark.parametrize("size", [(80, 24), (1, 1), (20, 3), (200, 60)])
 def test_every_panel_survives_missing_and_malformed_values(stats, size):
     view = View(stats=stats, history=history_of(stats), link=Link.LIVE)
     for spec in ALL:
         plain_text(spec.render(view, *size), size[0])
+    assert summary_lines(stats)[-1] == "(the full document: loraplex stats --json)"
+
+
+def test_stats_summary_is_a_few_labelled_lines_of_the_document():
+    lines = summary_lines(full_snapshot())
+    assert len(lines) == 9, lines  # no host tier in this snapshot
+    assert lines[0] == "daemon    up 1h02m · scheduler mlq · cache lru · router most_idle · loads cpu_assist"
+    assert lines[1].startswith("requests  7 running · 13 waiting · 480 done · 3 cancelled · 2 errors")
+    assert "TTFT p50 12.5ms p99 88.2ms" in lines[2] and "E2E p50 420ms p99 1800ms" in lines[2]
+    assert lines[3].startswith("engines   1/1 up · 9000 steps (p50 6.5ms)") and "1 restart" in lines[3]
+    assert lines[4] == "pool      420/600 pages used (70.0%) · kv 300 · adapters 120"
+    assert "hit 87.5%" in lines[5] and "3 adapters resident" in lines[5]
+    assert lines[6].startswith("pcie      h2d 812.0 MB/s · d2h 64.0 MB/s")
+    assert lines[7].startswith("cpu lora  4/4 workers up · busy 30%")
+    paused = summary_lines({**full_snapshot(), "paused": True, "draining": True})[0]
+    assert paused.endswith("· paused · draining")
 
 
 def test_small_boxes_cut_tables_and_say_how_many_rows_are_hidden():

@@ -46,6 +46,9 @@ class LoraplexTop(App[None]):
     #health { height: 4; }
     #grid { layout: grid; grid-size: 2; grid-gutter: 0; height: 1fr; }
     #grid.wide { grid-size: 3; }
+    #inflight { column-span: 2; display: none; }
+    #grid.wide #inflight { column-span: 3; }
+    #grid.requests #inflight { display: block; }
     Screen.compact PanelWidget { border: none; border-top: round $primary; padding: 0 1 0 1; }
     Screen.compact PanelWidget.stale { border-top: round $error; }
     Screen.compact #health { height: 2; }
@@ -54,6 +57,7 @@ class LoraplexTop(App[None]):
         Binding("q", "quit", "Quit"),
         Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
         Binding("question_mark,f1", "help", "Help", key_display="?"),
+        Binding("l", "toggle_requests", "Requests"),
         *(Binding(a.key, f"admin('{a.name}')", a.name.capitalize()) for a in ACTIONS.values()),
     ]
 
@@ -76,6 +80,8 @@ class LoraplexTop(App[None]):
         self._admin_error: str | None = None
         self._polling = False
         self._closed = False
+        self._tall = False
+        self._requests_shown: bool | None = None  # None: by the terminal's height
 
     # -- layout -------------------------------------------------------------
 
@@ -103,6 +109,21 @@ class LoraplexTop(App[None]):
     def on_resize(self, event: events.Resize) -> None:
         self._grid.set_class(event.size.width >= WIDE_COLUMNS, "wide")
         self._grid.screen.set_class(event.size.height < TALL_ROWS, "compact")
+        self._tall = event.size.height >= TALL_ROWS
+        self._place_requests()
+
+    def _place_requests(self) -> None:
+        """The in-flight list shows in tall terminals (in short ones it would squeeze every
+        panel) or when asked for with `l`; `l` again hides it."""
+        shown = self._tall if self._requests_shown is None else self._requests_shown
+        self._grid.set_class(shown, "requests")
+
+    def requests_shown(self) -> bool:
+        return self._grid.has_class("requests")
+
+    def action_toggle_requests(self) -> None:
+        self._requests_shown = not self.requests_shown()
+        self._place_requests()
 
     # -- data ---------------------------------------------------------------
 
@@ -162,7 +183,9 @@ class LoraplexTop(App[None]):
     # -- actions ------------------------------------------------------------
 
     def key_help(self) -> list[tuple[str, str]]:
-        keys = [("q, ctrl+c", "quit"), ("?, F1", "this help")]
+        keys = [("q, ctrl+c", "quit"), ("?, F1", "this help"),
+                ("l", "show or hide the list of requests in flight (shown by default from "
+                      f"{TALL_ROWS} rows up)")]
         keys += [(a.key, f"{a.title.lower()} (asks, then confirms)") for a in ACTIONS.values()]
         keys += [("tab, enter, esc", "move between fields, submit, cancel in dialogs"),
                  ("y / n", "answer a confirmation"),

@@ -321,9 +321,16 @@ class BaseScheduler(ABC):
         sequence comes back only then: admitted on its first chunk alone, it could run out of
         pages again and preempt itself, over and over, while the sequence holding the pages
         never got the token budget to finish (MLQ, a one-token budget: found by the property
-        tests)."""
+        tests). Its own adapter, resident but unreferenced while it waits, is counted once: as
+        pages it keeps, not also as reclaimable room for its KV (counted twice, a preempted
+        sequence came back into a pool one page short and preempted itself again, forever:
+        MLQ, issue 20)."""
         need = self._pages_wanted(seq, self._worst_kv_pages(seq.req))
-        return need <= self.allocator.num_free + self.adapters.reclaimable_pages()
+        room = self.allocator.num_free + self.adapters.reclaimable_pages()
+        adapter = seq.req.adapter
+        if adapter is not None and adapter in self.adapters.eviction_order():
+            room -= len(self.adapters.resident_pages(adapter))
+        return need <= room
 
     def _leaves_room_for_awaiting(self, seq: Sequence, n: int) -> bool:
         """A request may pass those waiting for their adapter only with a seat and free pages

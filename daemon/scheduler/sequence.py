@@ -55,10 +55,15 @@ class Sequence:
         return len(self.req.prompt_ids) + len(self.output_ids)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without joining the two (a decode row
+        used to copy the whole prompt every step)."""
         prompt = self.req.prompt_ids
-        if stop <= len(prompt):
+        n = len(prompt)
+        if stop <= n:
             return prompt[start:stop]
-        return (prompt + self.output_ids)[start:stop]
+        if start >= n:
+            return self.output_ids[start - n:stop - n]
+        return prompt[start:] + self.output_ids[:stop - n]
 
     @property
     def num_uncomputed(self) -> int:

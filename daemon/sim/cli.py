@@ -12,12 +12,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from loraplex.daemon.decision_log import StepDecision, write_decisions
 from loraplex.daemon.sim.metrics import format_table, ratios, summarize
 from loraplex.daemon.sim.profile import SimProfile
-from loraplex.daemon.sim.scenarios import SCENARIOS, Scenario, get, run_variants, sweep
+from loraplex.daemon.sim.progress import Progress
+from loraplex.daemon.sim.runner import default_workers
+from loraplex.daemon.sim.scenarios import SCENARIOS, Scenario, get, run_variants, runs_per_rate, sweep
 from loraplex.daemon.sim.simulator import MODES, SIM_POLICIES, SimConfig
 from loraplex.daemon.sim.workload import ARRIVALS, LENGTHS, WorkloadSpec
 
@@ -63,6 +66,10 @@ def workload_from_args(args: argparse.Namespace, base: WorkloadSpec | None = Non
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=sorted(SCENARIOS), help="run a named scenario")
+    p.add_argument("--quick", action="store_true",
+                   help="the scenario's quick preset: the same comparison on a smaller workload, in seconds")
+    p.add_argument("--jobs", type=int, metavar="N",
+                   help="simulations run side by side in N worker processes [the CPU cores this process may use]")
     p.add_argument("--compare", metavar="KEY=A,B,...",
                    help="run each value of KEY (policy, cache_policy, mode, router) on the same trace")
     p.add_argument("--rates", type=float, nargs="+", help="sweep these arrival rates (req/s)")
@@ -88,6 +95,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 def _scenario(args: argparse.Namespace) -> Scenario:
     """The named scenario, with the workload flags and profile overrides that were given applied."""
     scenario = get(args.scenario)
+    if args.quick:
+        scenario = scenario.quick_preset()
     profile = SimProfile.load(args.profile) if args.profile else scenario.profile
     return dataclasses.replace(scenario, workload=workload_from_args(args, scenario.workload),
                                profile=profile.override(args.profile_set))
@@ -111,23 +120,29 @@ def _custom(args: argparse.Namespace) -> Scenario:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.quick and not args.scenario:
+            raise ValueError("--quick scales down a --scenario")
+        if args.jobs is not None and args.jobs < 1:
+            raise ValueError("--jobs must be at least 1")
         scenario = _scenario(args) if args.scenario else _custom(args)
         rates = args.rates or list(scenario.rates)
         if args.decision_log and (rates or len(scenario.variants) > 1):
             raise ValueError("--decision-log records one run: not with --compare, --rates or a multi-variant scenario")
+        workers = args.jobs or default_workers()
+        progress = Progress("sim", runs_per_rate(scenario) * max(1, len(rates)))
         if rates:
-            rows = sweep(scenario, rates)
-            # The CDF plots show the highest rate (run once more only when plotting).
-            results = run_variants(scenario, dataclasses.replace(scenario.workload, rate_rps=max(rates)))[1] \
-                if args.plot_dir else {}
+            # The CDF plots show the highest rate: its runs are kept whole (made in this process).
+            rows, results = sweep(scenario, rates, workers=workers, progress=progress, keep_highest=bool(args.plot_dir))
         else:
-            rows, results = run_variants(scenario)
+            keep = bool(args.plot_dir or args.decision_log)  # both need whole runs, made in this process
+            rows, results = run_variants(scenario, workers=workers, progress=progress, keep_results=keep)
             if args.decision_log:
                 (result,) = results.values()
                 write_decisions(args.decision_log, (StepDecision(d.engine, d.step_id, d.admitted, d.rows,
                                                                  d.merged_adapter) for d in result.decisions))
-    except (ValueError, OSError) as exc:
-        print(f"loraplex sim: {exc}")
+        progress.finish(f" ({workers} worker{'s' if workers > 1 else ''})")
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"loraplex sim: error: {exc}", file=sys.stderr)
         return 2
     plots: list[str] = []
     if args.plot_dir:

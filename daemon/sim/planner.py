@@ -4,7 +4,9 @@ The simulator serves the same trace with 1, 2, 4, ... engines until the SLO atta
 target is met (or --max-engines is reached), then binary-searches between the last N that
 missed and the first that met it. The search assumes attainment does not fall when engines
 are added; every N tried stays in the table, so a workload where that fails shows it.
-Progress goes to stderr; the answer (or --json) to stdout. Never sleeps, reads no clock.
+Progress goes to stderr (each engine count tried, and the simulation under way with an
+estimate of its time left); the answer (or --json) to stdout. Never sleeps; only the
+progress line reads a clock.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Callable
 from loraplex.daemon.sim.cli import add_workload_args, workload_from_args
 from loraplex.daemon.sim.metrics import format_table, summarize
 from loraplex.daemon.sim.profile import SimProfile
+from loraplex.daemon.sim.progress import Progress
 from loraplex.daemon.sim.simulator import MODES, SIM_POLICIES, SimConfig, simulate
 from loraplex.daemon.sim.workload import RequestEvent, WorkloadSpec, generate
 
@@ -55,15 +58,22 @@ class PlanResult:
 
 
 def plan(events: list[RequestEvent], spec: PlanSpec, profile: SimProfile | None = None,
-         progress: Callable[[dict[str, object]], None] | None = None) -> PlanResult:
+         progress: Callable[[dict[str, object]], None] | None = None, runs: Progress | None = None) -> PlanResult:
     """Search the fewest engines serving `events` at the target attainment; `progress` gets
-    each table row as it is simulated."""
+    each table row as it is simulated, `runs` the progress of each simulation."""
     if not events:
         raise ValueError("the workload has no requests")
     rows: dict[int, dict[str, object]] = {}
 
     def meets(n: int) -> bool:
-        row = summarize(simulate(events, dataclasses.replace(spec.config, num_engines=n), profile))
+        run = len(rows)
+        if runs is not None:
+            runs.start(run, f"{n} engine{'s' if n > 1 else ''}")
+        result = simulate(events, dataclasses.replace(spec.config, num_engines=n), profile,
+                          progress=None if runs is None else lambda share: runs.update(run, share))
+        if runs is not None:
+            runs.done(run)
+        row = summarize(result)
         entry = {k: row[k] for k in TABLE_KEYS}
         entry["meets"] = float(row["slo_attainment"]) >= spec.target_attainment  # type: ignore[arg-type]
         rows[n] = entry
@@ -131,7 +141,9 @@ def run(args: argparse.Namespace) -> int:
         events = generate(workload)
         print(f"plan: {len(events)} requests over {workload.duration_s:g} s; searching 1..{spec.max_engines} "
               f"engines for {spec.target_attainment:.2%} attainment", file=sys.stderr)
-        result = plan(events, spec, profile, progress=say)
+        runs = Progress("plan", None)
+        result = plan(events, spec, profile, progress=say, runs=runs)
+        runs.finish()
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"loraplex plan: error: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ fed the same trace can be checked against them. Never sleeps, never reads a real
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loraplex.daemon.memory.allocator import PageAllocator
@@ -28,6 +29,7 @@ from loraplex.ipc.engine_plan import RowResult, SamplingSpec, StepPlan, StepResu
 MODES = ("cached", "on_demand", "cpu_assist")
 SIM_POLICIES = (*POLICIES, "lcfs")  # lcfs: a baseline only the simulator offers (lcfs.py)
 _TOKEN = 3  # what the simulated model samples (requests ignore EOS; lengths come from the workload)
+PROGRESS_EVERY = 4096  # event-loop turns between progress reports
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +141,8 @@ class Simulator:
         self.pcie_bytes = 0
         self.steps = 0
         self._ranks: dict[str, int] = {}
+        self._prompt_len: dict[str, int] = {}  # request id -> prompt tokens as queued
+        self._ended = 0  # requests finished or aborted
         self.engines = [_Engine(i, self._make_scheduler()) for i in range(config.num_engines)]
         # Router snapshots, rebuilt only for engines whose scheduler changed since (add, schedule,
         # apply): with many engines, rebuilding all of them per arrival dominated the run time.
@@ -172,7 +176,9 @@ class Simulator:
                               adapter_rank=self._ranks.__getitem__, clock=self.clock)
 
     # ---- the event loop ----------------------------------------------------------------------
-    def run(self, events: list[RequestEvent]) -> SimResult:
+    def run(self, events: list[RequestEvent], progress: Callable[[float], None] | None = None) -> SimResult:
+        """Serve `events` to the end; `progress` gets the share of the work done (arrivals and
+        completions, 0..1) every PROGRESS_EVERY events."""
         pending = sorted(events, key=lambda e: (e.arrival_s, e.request_id))
         for e in pending:
             if e.adapter is not None:
@@ -183,7 +189,11 @@ class Simulator:
         busy: list[tuple[float, int]] = []  # heap of (step end, engine index)
         stuck: set[int] = set()
         i = 0
+        ticks = 0
         while True:
+            ticks += 1
+            if progress is not None and ticks % PROGRESS_EVERY == 0:
+                progress((i + self._ended) / max(1, 2 * len(pending)))
             touched = set(stuck)
             done = []
             while busy and busy[0][0] <= self.clock.now:
@@ -228,6 +238,7 @@ class Simulator:
         eng = self.engines[index]
         self.records[ev.request_id] = RequestRecord(ev, index)
         self._states[index] = None
+        self._prompt_len[ev.request_id] = prompt
         eng.sched.add(SeqRequest(request_id=ev.request_id, prompt_ids=[_TOKEN] * prompt, adapter=ev.adapter,
                                  sampling=SamplingSpec(temperature=0.0), max_tokens=ev.output_len, ignore_eos=True))
 
@@ -254,6 +265,7 @@ class Simulator:
         for abort in eng.sched.take_aborted():
             rec = self.records[abort.request_id]
             rec.aborted, rec.finish_s = True, now
+            self._ended += 1
         if plan is None:
             return
         for name in plan.evict:
@@ -263,16 +275,16 @@ class Simulator:
             load_s = p.load_s(rank)
             eng.sched.adapters.record_load_ms(placement.name, load_s * 1e3)
             if mode == "cached":
-                eng.ready_at[placement.name] = now  # every adapter already sits in GPU memory
-                continue
+                continue  # every adapter already sits in GPU memory: ready now, like one not in ready_at
             eng.link_free = max(now, eng.link_free) + load_s
             eng.ready_at[placement.name] = eng.link_free
             self.pcie_bytes += p.adapter_bytes(rank)
-        prompt_len = {s.request_id: len(s.req.prompt_ids) for s in eng.sched.running}
-        ranks, prefill, decode, cold_cpu_s, wait_until = [], 0, 0, 0.0, now
+        prompt_len = self._prompt_len
+        ranks, prefill, decode, tokens, cold_cpu_s, wait_until = [], 0, 0, 0, 0.0, now
         for row in plan.rows:
             n = len(row.token_ids)
-            if row.start_pos >= prompt_len.get(row.request_id, 0):
+            tokens += n
+            if row.start_pos >= prompt_len[row.request_id]:
                 decode += 1
             else:
                 prefill += n
@@ -291,8 +303,8 @@ class Simulator:
             start = wait_until if mode == "on_demand" else now
         eng.plan, eng.started, eng.end = plan, now, start + step_s
         eng.busy_s += eng.end - now
-        eng.step_times.observe(step_s * 1e3, ranks, plan.prefill_tokens)
-        eng.tokens += plan.num_tokens
+        eng.step_times.observe(step_s * 1e3, ranks, tokens - len(plan.rows))  # plan.prefill_tokens, summed once
+        eng.tokens += tokens
         self.steps += 1
         self.decisions.append(Decision(eng.index, plan.step_id, now,
                                        tuple(r.request_id for r in plan.rows if r.start_pos == 0),
@@ -310,12 +322,18 @@ class Simulator:
             if rec.first_token_s is None:
                 rec.first_token_s = now
         forward_ms = max(1e-6, (eng.end - eng.started) * 1e3)
-        loading = [name for name, ready in eng.ready_at.items() if ready > now]
+        # Loads done by now are forgotten (a name missing from ready_at is ready), so this scan
+        # covers the loads in flight, not every adapter the engine ever placed.
+        for name in [name for name, ready in eng.ready_at.items() if ready <= now]:
+            del eng.ready_at[name]
+        loading = list(eng.ready_at)
         for seq in eng.sched.apply(plan, StepResult(plan.step_id, rows, forward_ms=forward_ms, loading=loading)):
             rec = self.records[seq.request_id]
             rec.finish_s, rec.output_tokens = now, len(seq.output_ids)
+            self._ended += 1
 
 
-def simulate(events: list[RequestEvent], config: SimConfig, profile: SimProfile | None = None) -> SimResult:
-    """Run `events` through a fresh simulator."""
-    return Simulator(config, profile).run(events)
+def simulate(events: list[RequestEvent], config: SimConfig, profile: SimProfile | None = None,
+             progress: Callable[[float], None] | None = None) -> SimResult:
+    """Run `events` through a fresh simulator (`progress`: see Simulator.run)."""
+    return Simulator(config, profile).run(events, progress)
