@@ -15,7 +15,7 @@ from loraplex.ipc.protocol import CacheStoreFull, EngineAdapterLoaded
 class AdapterEntry:
     name: str
     path: str
-    state: str = "registered"  # registered -> ready | error
+    state: str = "registered"  # registered (not read yet: validated on first use) -> ready | error
     rank: int = 0
     target_modules: tuple[str, ...] = ()
     num_pages: int = 0
@@ -28,6 +28,8 @@ class AdapterEntry:
     content_hash: str = ""  # SHA-256 of its files when loaded (daemon.adapter_hash)
     fingerprint: tuple = ()  # file sizes and mtimes when hashed: a cheap "did the files change?"
     replacing: bool = False  # new weights are being swapped in; new requests wait
+    store_bytes: int = 0  # the extent it takes in the host store, once the cache manager said (0: unknown)
+    uses: int = 0  # requests served with it in past runs (the registry's count): warm-up order
 
     def loaded(self, info: EngineAdapterLoaded | CacheStoreFull) -> None:
         """Valid files; what they hold. A cache_store_full reply validates too (kept on disk)."""

@@ -47,6 +47,7 @@ class CacheManager:
         self.config = ModelConfig.from_dir(self.spec.model or "")
         self.geometry = PageGeometry.for_model(self.config.module_shapes(), self.config.kv_dim, self.spec.page_tokens)
         self.dtype = DTYPES[self.spec.dtype]
+        self.roots = self.spec.adapter_roots
         # Never pinned here: this process has no CUDA context; each engine registers its own mapping.
         self.store = HostStore(spec.host_store_segment, spec.host_store_bytes, self.dtype, pin=False)
 
@@ -71,7 +72,7 @@ class CacheManager:
         """Read and validate `path`, then place it in the store (replacing an entry of that name)."""
         try:
             adapter = load_peft_adapter(name, path, self.config, max_lora_rank=self.spec.max_lora_rank,
-                                        dtype=self.dtype)
+                                        dtype=self.dtype, roots=self.roots)
         except LoraplexRequestError as exc:
             return EngineFailure(code=exc.code, message=str(exc), subject=name)
         except OSError as exc:

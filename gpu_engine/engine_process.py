@@ -122,6 +122,7 @@ class EngineServer:
         self.demo = demo
         self.resources = resources
         self.stores = StoreReader(pin=runtime.executor.device.type == "cuda")  # the cache manager's store
+        self.roots = runtime.spec.adapter_roots  # where adapter files may resolve (server.adapter_dirs)
 
     def serve(self) -> None:
         self.sock.send(hello_for(self.runtime, self.demo, self.resources))
@@ -161,11 +162,12 @@ class EngineServer:
         try:
             if msg.store_entry is not None:  # weights already in the cache manager's store: view them
                 adapter = self.stores.adapter(msg.name, msg.path, msg.store_segment, msg.store_entry,
-                                              self.runtime.config, max_lora_rank=self.runtime.spec.max_lora_rank)
+                                              self.runtime.config, max_lora_rank=self.runtime.spec.max_lora_rank,
+                                              roots=self.roots)
             else:
                 adapter = load_peft_adapter(msg.name, msg.path, self.runtime.config,
                                             max_lora_rank=self.runtime.spec.max_lora_rank,
-                                            dtype=executor.pool.data.dtype)
+                                            dtype=executor.pool.data.dtype, roots=self.roots)
         except LoraplexRequestError as exc:
             return EngineFailure(code=exc.code, message=str(exc), subject=msg.name)
         except OSError as exc:

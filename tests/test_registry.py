@@ -129,7 +129,7 @@ def test_persists_across_reopen(db_path: Path) -> None:
         before = reg.list()
     with AdapterRegistry(db_path) as reg:
         assert reg.list() == before
-        assert reg.schema_version == SCHEMA_VERSION == 1
+        assert reg.schema_version == SCHEMA_VERSION == 2
         assert reg.get("a") == AdapterRecord("a", "/a", 8, ("q_proj",), True, before[0].added_at, "flag")
 
 
