@@ -46,13 +46,16 @@ class AdapterEntry:
         self.state = "error"
         self.error = message
 
-    def to_wire(self, resident: bool, refs: int) -> dict[str, object]:
+    def to_wire(self, resident: bool, refs: int, tier: str | None = None) -> dict[str, object]:
+        """resident: in a GPU pool; tier: the fastest tier holding it (gpu, host or disk; None unknown)."""
         entry: dict[str, object] = {
             "name": self.name, "path": self.path, "rank": self.rank, "target_modules": list(self.target_modules),
             "state": self.state, "pinned": self.pinned, "pages": self.num_pages, "bytes": self.nbytes,
             "resident": resident, "refs": refs, "requests": self.requests,
             "content_hash": self.content_hash[:16],
         }
+        if tier is not None:
+            entry["tier"] = tier
         if self.error:
             entry["error"] = self.error[:500]
         return entry
@@ -65,6 +68,9 @@ class AdapterTable:
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def get(self, name: str) -> AdapterEntry | None:
         return self._entries.get(name)
 
@@ -75,7 +81,12 @@ class AdapterTable:
         return self._entries.pop(name, None)
 
     def entries(self) -> list[AdapterEntry]:
+        """Sorted by name."""
         return [self._entries[n] for n in sorted(self._entries)]
+
+    def values(self) -> list[AdapterEntry]:
+        """In no particular order (no sort: stats read it four times a second)."""
+        return list(self._entries.values())
 
     def ready(self, name: str) -> bool:
         entry = self._entries.get(name)

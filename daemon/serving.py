@@ -564,6 +564,7 @@ class ServingCore(AdapterAdmin, HostTierAdmin, EngineEvents):
             merged_adapter=first.merged_adapter if first is not None else None,
             max_loras_per_batch=self.config.scheduler.max_loras_per_batch,
             host_tier=self.host_snapshot(),
+            adapter_counts=self.adapter_summary(),
         )
 
 

@@ -17,6 +17,7 @@ from loraplex.daemon.adapter_table import AdapterEntry
 from loraplex.daemon.engine_link import EngineDied, EngineRefused
 from loraplex.daemon.host_tier import HostTier
 from loraplex.daemon.serving_adapters import Rejected
+from loraplex.ipc.adapter_files import allow_also
 from loraplex.ipc.adapter_store import ArenaAllocator
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import EngineAdapterLoaded, EngineLoadAdapter, EngineUnloadAdapter, Message
@@ -45,6 +46,7 @@ class HostTierAdmin:
         for name, path in hello.demo_adapters.items():  # the built-in demo's adapters, serving without --model
             if name not in self.adapters:
                 self.adapters.put(AdapterEntry(name=name, path=path))
+        self.reader.roots = allow_also(self.reader.roots, hello.demo_adapters.values())
         self.cache.on_lost = self._on_cache_lost
         log.info("cache manager up (pid %s): host store %s, %.1f MB", self.cache.pid, hello.store_segment,
                  hello.capacity_bytes / 1e6)

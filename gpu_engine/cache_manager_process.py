@@ -21,6 +21,7 @@ from loraplex.gpu_engine.host_store import HostStore, StoreFull
 from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.runtime import DTYPES, EngineSpec
+from loraplex.ipc.adapter_files import allow_also
 from loraplex.ipc.adapter_store import ArenaAllocator, store_entry_layout
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
@@ -57,6 +58,7 @@ class CacheManager:
             from loraplex.gpu_engine.demo import builtin_demo
 
             demo_adapters = {name: str(path) for name, path in builtin_demo().adapters.items()}
+            self.roots = allow_also(self.roots, demo_adapters.values())  # its own adapters are always allowed
         return CacheHello(pid=os.getpid(), store_segment=self.store.name, capacity_bytes=self.store.arena.capacity,
                           dtype=self.spec.dtype, model_dir=str(self.spec.model), demo_adapters=demo_adapters)
 

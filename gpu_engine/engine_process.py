@@ -23,6 +23,7 @@ from loraplex.gpu_engine.lora.peft_adapter import HostAdapter, load_peft_adapter
 from loraplex.gpu_engine.malloc_arenas import bound_malloc_arenas
 from loraplex.gpu_engine.runtime import EngineRuntime, EngineSpec, build_runtime
 from loraplex.gpu_engine.store_reader import StoreReader
+from loraplex.ipc.adapter_files import allow_also
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
     EngineAdapterLoaded,
@@ -125,7 +126,9 @@ class EngineServer:
         self.roots = runtime.spec.adapter_roots  # where adapter files may resolve (server.adapter_dirs)
 
     def serve(self) -> None:
-        self.sock.send(hello_for(self.runtime, self.demo, self.resources))
+        hello = hello_for(self.runtime, self.demo, self.resources)
+        self.roots = allow_also(self.roots, hello.demo_adapters.values())  # the demo's own adapters are allowed
+        self.sock.send(hello)
         while True:
             msg = self.sock.recv().message
             if isinstance(msg, EngineShutdown):

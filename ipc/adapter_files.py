@@ -46,6 +46,11 @@ def resolve_roots(roots: Iterable[str | os.PathLike[str]]) -> tuple[str, ...]:
     return tuple(os.path.realpath(os.path.expanduser(os.fspath(root))) for root in roots)
 
 
+def allow_also(roots: tuple[str, ...], dirs: Iterable[str | os.PathLike[str]]) -> tuple[str, ...]:
+    """`roots` plus `dirs` (the built-in demo's own adapters); empty `roots` (anywhere) stays empty."""
+    return tuple(dict.fromkeys(roots + resolve_roots(dirs))) if roots else roots
+
+
 def _inside(real: str, roots: tuple[str, ...]) -> bool:
     return any(real == root or real.startswith(root.rstrip("/") + "/") for root in roots)
 
