@@ -219,6 +219,8 @@ class AdapterAdmin:
         entry = self.adapters.get(name)
         if entry is None or entry.path != path:
             return True
+        if entry.state == "registered":
+            return False  # never loaded: nothing stale to replace, the first load reads what is there
         try:
             return await self.reader.fingerprint(path) != entry.fingerprint
         except AdapterFileError:

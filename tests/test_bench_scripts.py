@@ -144,3 +144,17 @@ def test_least_squares_fit_recovers_a_known_line_and_refuses_one_point() -> None
     assert 0.0 < noisy["r2"] < 1.0
     with pytest.raises(ValueError):
         fit_line([4.0, 4.0], [1.0, 2.0])
+
+
+@pytest.mark.slow  # four daemon start-ups: ~30 s on a busy 2-core host
+def test_many_adapters_small_json(cache: Path) -> None:
+    report = run_json("many_adapters.py", ["--small"], cache)
+    assert [r["n"] for r in report["results"]] == report["config"]["counts"]
+    for r in report["results"]:
+        assert r["adds_timed"] >= 1 and positive(r["add_ms"]["p50"]) and r["add_ms"]["p99"] >= r["add_ms"]["p50"]
+        assert positive(r["list_ms"]["median"]) and positive(r["ready_s"]["median"])
+        assert all(positive(v) for v in r["rss_mib"]["at_ready"].values())
+        assert positive(r["ttft_ms"]["cold_median"]) and positive(r["ttft_ms"]["warm_median"])
+        assert set(r["ttft_ms"]["cold_tiers"]) <= {"gpu", "host", "disk"}
+        counts = r["adapter_counts"]
+        assert counts["total"] == r["n"] and sum(counts["tiers"].values()) == r["n"] and counts["error"] == 0
