@@ -38,14 +38,18 @@ def adapter_fingerprint(path: str | Path) -> Fingerprint:
 
 
 def adapter_content_hash(path: str | Path, roots: tuple[str, ...] = ()) -> str:
-    """SHA-256 over the adapter's files (names and bytes). AdapterFileError when a file may not be
-    opened (outside `roots`, not a regular file), FileNotFoundError / OSError when it cannot."""
+    """SHA-256 over the adapter's files (names and bytes); '' when one does not exist (the loader
+    then says what is missing). AdapterFileError when a file may not be opened (outside `roots`,
+    not a regular file), OSError when it cannot be read."""
     digest = hashlib.sha256()
-    for name in ADAPTER_FILES:
-        digest.update(name.encode() + b"\0")
-        with open_adapter_file(path, name, roots) as f:
-            while chunk := f.read(_CHUNK):
-                digest.update(chunk)
+    try:
+        for name in ADAPTER_FILES:
+            digest.update(name.encode() + b"\0")
+            with open_adapter_file(path, name, roots) as f:
+                while chunk := f.read(_CHUNK):
+                    digest.update(chunk)
+    except FileNotFoundError:
+        return ""
     return digest.hexdigest()
 
 

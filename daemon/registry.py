@@ -67,6 +67,10 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
+# A replace that brings no identity (a --adapter flag at every start) keeps the one recorded for
+# the same path, so the daemon need not hash unchanged files again.
+_KEEP_IDENTITY = ("CASE WHEN excluded.{column} != '' THEN excluded.{column} "
+                  "WHEN adapters.path = excluded.path THEN adapters.{column} ELSE '' END")
 _COLUMNS = "name, path, rank, target_modules, pinned, added_at, source, content_hash, fingerprint, uses"
 _INSERT = ("INSERT INTO adapters (model, name, path, rank, target_modules, added_at, source, content_hash, "
            "fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
@@ -259,7 +263,8 @@ class AdapterRegistry:
                 db.execute(
                     f"{_INSERT} ON CONFLICT (model, name) DO UPDATE SET path = excluded.path, rank = excluded.rank, "
                     "target_modules = excluded.target_modules, added_at = excluded.added_at, source = excluded.source, "
-                    "content_hash = excluded.content_hash, fingerprint = excluded.fingerprint",
+                    f"content_hash = {_KEEP_IDENTITY.format(column='content_hash')}, "
+                    f"fingerprint = {_KEEP_IDENTITY.format(column='fingerprint')}",
                     row,
                 )
             else:

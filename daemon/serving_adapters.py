@@ -95,6 +95,8 @@ class AdapterAdmin:
             raise Rejected(ErrorCode.INVALID_FIELD, f"adapter {name!r} is already being replaced")
         fresh = AdapterEntry(name=name, path=path, pinned=entry.pinned)
         await self._identify(fresh)
+        if not fresh.content_hash:
+            raise Rejected(ErrorCode.INVALID_ADAPTER, f"the adapter files under {path} are missing")
         if fresh.content_hash == entry.content_hash and entry.state == "ready":
             entry.path, entry.fingerprint = path, fresh.fingerprint
             return entry, False

@@ -135,7 +135,7 @@ def check_safetensors(f: BinaryIO, size: int, what: str) -> dict[str, TensorInfo
     """The tensors of the safetensors file open as `f` (`size` bytes), checked: a bounded header,
     floating-point dtypes only, every extent inside the file and of the size its shape says.
     AdapterFileError names `what` and the offending tensor, never quoting the file."""
-    bad = f"{what} is not a valid safetensors file"
+    bad = f"cannot read {what}: not a valid safetensors file"
     if size < 8:
         raise AdapterFileError(f"{bad} (shorter than its 8-byte header length)")
     (length,) = struct.unpack("<Q", f.read(8))

@@ -340,3 +340,10 @@ def test_model_scope_follows_the_architecture_not_the_path(tmp_path: Path, monke
     assert model_scope(None) == "demo-random"
     with pytest.raises(ModelScopeError, match="no config.json"):
         model_scope(tmp_path)
+
+
+def test_a_replace_without_identity_keeps_the_recorded_one_for_the_same_path(reg: AdapterRegistry) -> None:
+    reg.add("a", "/a", content_hash="ab" * 32, fingerprint="adapter_config.json:10:5")
+    assert reg.add("a", "/a", replace=True, source="flag").content_hash == "ab" * 32  # every start's --adapter
+    moved = reg.add("a", "/elsewhere", replace=True, source="flag")
+    assert (moved.content_hash, moved.fingerprint) == ("", "")  # other files: read them again

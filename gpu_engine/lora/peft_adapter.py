@@ -178,7 +178,7 @@ def load_peft_adapter(name: str, path: str | Path, model: ModelConfig, *, max_lo
     b: list[dict[str, torch.Tensor]] = [{} for _ in range(model.num_layers)]
     try:
         with open_adapter_file(path, ADAPTER_WEIGHTS, roots) as f:
-            tensors = check_safetensors(f, os.fstat(f.fileno()).st_size, f"adapter {path.name}: {ADAPTER_WEIGHTS}")
+            tensors = check_safetensors(f, os.fstat(f.fileno()).st_size, f"{ADAPTER_WEIGHTS} of adapter {path.name}")
             _check_tensors(path, tensors, spec, model)
             get_tensor = _tensor_reader(f, path)
             for key in tensors:
