@@ -263,6 +263,8 @@ async def claim_unscoped(core: ServingCore, registry: AdapterRegistry) -> None:
         claimed_record = registry.claim(record.name)
         if claimed_record is not None:
             core.adapters.put(_entry_of(claimed_record))
+            if claimed_record.pinned:
+                core.pin_adapter(claimed_record.name, True)
             claimed += 1
     if claimed:
         log.info("registry: %d adapters registered without a model scope load on this model; they are its own now",

@@ -187,13 +187,12 @@ class AdapterAdmin:
     def adapter_summary(self) -> dict[str, object]:
         """Counts per state and per tier (gpu, host, disk), for stats: the names stay in the adapter
         list (`loraplex adapters list --tier`), never in every snapshot. Cheap at 10,000 adapters."""
-        states = Counter(e.state for e in self.adapters.values())
+        by_state = Counter(e.state for e in self.adapters.values())
         on_gpu = {n for s in self.slots if s.scheduler is not None for n in s.scheduler.adapters.resident_names()
                   if n in self.adapters}
         host = 0 if self.host_tier is None else sum(1 for n in self.host_tier.resident_names() if n not in on_gpu)
-        tiers = {"gpu": len(on_gpu), "host": host, "disk": len(self.adapters) - len(on_gpu) - host}
-        states = {"registered": states["registered"], "ready": states["ready"], "error": states["error"]}
-        return {"total": len(self.adapters), **states, "tiers": tiers}
+        return {"total": len(self.adapters), **{state: by_state[state] for state in ("registered", "ready", "error")},
+                "tiers": {"gpu": len(on_gpu), "host": host, "disk": len(self.adapters) - len(on_gpu) - host}}
 
     async def _identify(self, entry: AdapterEntry) -> None:
         """Hash the entry's files (off the loop, with a deadline). Rejected when they may not or cannot

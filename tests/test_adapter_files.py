@@ -163,3 +163,12 @@ def test_the_reader_bounds_a_slow_read_and_keeps_serving_others(demo, allowed):
         asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
     finally:
         stuck.set()
+
+
+def test_the_demo_adapters_join_an_allow_list_but_never_narrow_anywhere(tmp_path):
+    from loraplex.ipc.adapter_files import allow_also
+
+    roots = resolve_roots([tmp_path / "mine"])
+    assert allow_also(roots, [tmp_path / "demo"]) == (*roots, str(tmp_path / "demo"))
+    assert allow_also(allow_also(roots, [tmp_path / "demo"]), [tmp_path / "demo"]) == (*roots, str(tmp_path / "demo"))
+    assert allow_also((), [tmp_path / "demo"]) == ()  # no allow-list: anywhere, still
