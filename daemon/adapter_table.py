@@ -15,7 +15,7 @@ from loraplex.ipc.protocol import CacheStoreFull, EngineAdapterLoaded
 class AdapterEntry:
     name: str
     path: str
-    state: str = "registered"  # registered -> ready | error
+    state: str = "registered"  # registered (not read yet: validated on first use) -> ready | error
     rank: int = 0
     target_modules: tuple[str, ...] = ()
     num_pages: int = 0
@@ -28,6 +28,8 @@ class AdapterEntry:
     content_hash: str = ""  # SHA-256 of its files when loaded (daemon.adapter_hash)
     fingerprint: tuple = ()  # file sizes and mtimes when hashed: a cheap "did the files change?"
     replacing: bool = False  # new weights are being swapped in; new requests wait
+    store_bytes: int = 0  # the extent it takes in the host store, once the cache manager said (0: unknown)
+    uses: int = 0  # requests served with it in past runs (the registry's count): warm-up order
 
     def loaded(self, info: EngineAdapterLoaded | CacheStoreFull) -> None:
         """Valid files; what they hold. A cache_store_full reply validates too (kept on disk)."""
@@ -44,13 +46,16 @@ class AdapterEntry:
         self.state = "error"
         self.error = message
 
-    def to_wire(self, resident: bool, refs: int) -> dict[str, object]:
+    def to_wire(self, resident: bool, refs: int, tier: str | None = None) -> dict[str, object]:
+        """resident: in a GPU pool; tier: the fastest tier holding it (gpu, host or disk; None unknown)."""
         entry: dict[str, object] = {
             "name": self.name, "path": self.path, "rank": self.rank, "target_modules": list(self.target_modules),
             "state": self.state, "pinned": self.pinned, "pages": self.num_pages, "bytes": self.nbytes,
             "resident": resident, "refs": refs, "requests": self.requests,
             "content_hash": self.content_hash[:16],
         }
+        if tier is not None:
+            entry["tier"] = tier
         if self.error:
             entry["error"] = self.error[:500]
         return entry
@@ -63,6 +68,9 @@ class AdapterTable:
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def get(self, name: str) -> AdapterEntry | None:
         return self._entries.get(name)
 
@@ -73,7 +81,12 @@ class AdapterTable:
         return self._entries.pop(name, None)
 
     def entries(self) -> list[AdapterEntry]:
+        """Sorted by name."""
         return [self._entries[n] for n in sorted(self._entries)]
+
+    def values(self) -> list[AdapterEntry]:
+        """In no particular order (no sort: stats read it four times a second)."""
+        return list(self._entries.values())
 
     def ready(self, name: str) -> bool:
         entry = self._entries.get(name)

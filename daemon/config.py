@@ -297,8 +297,14 @@ class ServerSettings(_Section):
         "Let this group use admin.sock (mode 0660, that group; the runtime directory becomes 0710 with "
         "that group); unset = the daemon's user only (0600).", "loraplex-admin"))
 
+    # ---- hardening (issue 20): adapter files and start-up -------------------------------------
+    adapter_read_timeout_s: float = field(default=30.0, metadata=_help(
+        "Seconds the daemon waits for an adapter's files to be read (hashed) before refusing it; a slow or "
+        "hung filesystem never blocks the admin socket, only the one add that reads from it."))
+
     def __post_init__(self) -> None:
         self._check_types()
+        self._finite("adapter_read_timeout_s", low=0.0, low_open=True)
         for name in ("runtime_dir", "state_dir"):
             if getattr(self, name) == "":
                 raise ConfigError(f"server.{name} must be a non-empty path or unset", f"server.{name}")

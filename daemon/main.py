@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import sqlite3
 import time
 import sys
 from typing import Callable
@@ -20,7 +21,10 @@ from loraplex.daemon.access import AccessError, set_socket_modes, warn_plain_tcp
 from loraplex.daemon.cache_link import CacheManagerLink
 from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
-from loraplex.daemon.registry import AdapterRegistry, RegistryError, check_adapter_path
+from loraplex.daemon.adapter_hash import fingerprint_from_text, fingerprint_to_text
+from loraplex.daemon.adapter_table import AdapterEntry
+from loraplex.daemon.model_scope import ModelScopeError, model_scope
+from loraplex.daemon.registry import AdapterRecord, AdapterRegistry, RegistryError, check_adapter_path
 from loraplex.daemon.sdnotify import Notifier
 from loraplex.daemon.server import Dispatcher, Listener, probe_quiet_clients, publish_stats
 from loraplex.daemon.replicas import build_router
@@ -33,6 +37,8 @@ from loraplex.ipc.socket_options import SocketLimits
 from loraplex.ipc.sockets import make_pub, make_router
 
 log = logging.getLogger("loraplex.daemon")
+EXIT_DRAIN_TIMEOUT = 3  # the drain timed out: requests in flight were failed (they are logged)
+DRAIN_LOG_LIMIT = 32  # requests named in that log line
 
 
 def register_startup_adapters(config: LoraplexConfig, registry: AdapterRegistry) -> None:
@@ -52,9 +58,15 @@ async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = No
     except (OSError, ValueError) as exc:
         log.error("cannot start router %s: %s", config.scheduler.router, exc)
         return 2
+    try:
+        scope = model_scope(config.model.model)
+    except ModelScopeError as exc:
+        log.error("cannot serve the model: %s", exc)
+        return 2
     runtime_dir = ensure_runtime_dir(config.server.resolved_runtime_dir)
     eps = endpoints(runtime_dir)
-    registry = AdapterRegistry(config.server.registry_path)
+    registry = AdapterRegistry(config.server.registry_path, model=scope)
+    log.info("adapter registry %s, scope %s (this base model's adapters only)", config.server.registry_path, scope)
     try:
         register_startup_adapters(config, registry)
     except (RegistryError, ValueError) as exc:
@@ -90,7 +102,8 @@ async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = No
             log.error("%s", exc)
             return 2
         spec = {**dataclasses.asdict(config.model), "shm_instance": instance_id(runtime_dir),
-                "max_num_seqs": config.scheduler.max_num_seqs}  # the largest decode batch: the largest graph
+                "max_num_seqs": config.scheduler.max_num_seqs,  # the largest decode batch: the largest graph
+                "adapter_dirs": list(config.server.adapter_dirs)}  # children check every adapter file too
         engines = [engine_factory(ctx, runtime_dir, {**spec, "replica": i}, index=i,
                                   start_timeout_s=config.server.engine_start_timeout_s,
                                   step_timeout_s=config.server.engine_step_timeout_s,
@@ -159,8 +172,10 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
                  config.model.model or "built-in demo")
         notifier.status("loading the model")
         notifier.extend_timeout(config.server.engine_start_timeout_s + 30)
+        core.on_identified = lambda e: registry.record_identity(e.name, e.content_hash,
+                                                                fingerprint_to_text(e.fingerprint))
         try:
-            await core.start([(r.name, r.path, r.pinned) for r in registry.list()])
+            await core.start([_entry_of(r) for r in registry.list()])
         except (EngineDied, EngineRefused) as exc:
             log.error("the engine could not start: %s", exc)
             return 1
@@ -168,9 +183,10 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
         tasks.append(asyncio.create_task(publish_stats(core, pub, config.server.stats_interval_s), name="stats"))
         tasks.append(asyncio.create_task(probe_quiet_clients(dispatcher), name="probe"))
         tasks.append(asyncio.create_task(notifier.watchdog(core.engines_alive), name="watchdog"))
+        tasks.append(asyncio.create_task(claim_unscoped(core, registry), name="claim-unscoped"))
         log.info("serving on %s (admin %s, stats %s)%s", eps.client, eps.admin, eps.stats,
                  f", {config.server.tcp_listen}" if config.server.tcp_listen else "")
-        names = [e.name for e in core.adapters.entries() if e.state == "ready"]
+        names = [e.name for e in core.adapters.entries() if e.state != "error"]
         log.info("ready: %d adapters (%s). Try: loraplex generate --stream --adapter %s 'Once upon a time'",
                  len(names), ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""), names[0] if names else "NAME")
         notifier.ready(f"serving {len(names)} adapters on {eps.client}")
@@ -180,11 +196,19 @@ async def _serve(config: LoraplexConfig, registry: AdapterRegistry, listeners: l
         log.info("stopping: draining in-flight requests (up to %.0f s)", drain_budget[0])
         notifier.stopping(f"draining {len(core.requests)} requests")
         if not await core.drain(drain_budget[0]):
-            log.warning("drain timed out; failing the remaining requests")
+            left = [(state.request_id, state.msg.adapter) for state in core.requests.values()]
+            shown = ", ".join(f"{rid} ({adapter or 'base'})" for rid, adapter in left[:DRAIN_LOG_LIMIT])
+            log.error("drain timed out after %.0f s; failing %d requests still in flight: %s%s", drain_budget[0],
+                      len(left), shown, " ..." if len(left) > DRAIN_LOG_LIMIT else "")
+            return EXIT_DRAIN_TIMEOUT
         return 0
     finally:
         # The signal handlers stay installed: a second SIGTERM while draining must not kill us mid-cleanup.
         await core.stop()
+        try:  # what was used this run orders the next start's warm-up
+            registry.add_uses({e.name: e.requests for e in core.adapters.entries()})
+        except sqlite3.Error as exc:
+            log.warning("adapter use counts not saved: %s", exc)
         notifier.close()
         for task in tasks:
             task.cancel()
@@ -202,13 +226,14 @@ async def reload(core: ServingCore, registry: AdapterRegistry, notifier: Notifie
             register_startup_adapters(fresh, registry)
             core.set_policy(fresh.scheduler.policy)
             core.set_cache_policy(fresh.scheduler.cache_policy)
+        await claim_unscoped(core, registry)
         demo = set(core.hello.demo_adapters) if core.hello else set()
         records = {r.name: r for r in registry.list()}
         for name, record in records.items():
             try:
                 if name not in core.adapters:
                     await core.add_adapter(name, record.path, record.pinned)
-                elif core.files_changed(name, record.path):  # new path or rewritten files
+                elif await core.files_changed(name, record.path):  # new path or rewritten files
                     _, changed = await core.replace_adapter(name, record.path)
                     if changed:
                         log.info("reload: adapter %s has new weights", name)
@@ -225,6 +250,39 @@ async def reload(core: ServingCore, registry: AdapterRegistry, notifier: Notifie
         log.error("reload failed, keeping the previous configuration: %s", exc)
     finally:
         notifier.ready(f"serving {len(core.adapters.entries())} adapters (reloaded)")
+
+
+async def claim_unscoped(core: ServingCore, registry: AdapterRegistry) -> None:
+    """Adapters registered before registries were scoped by base model (or by a tool naming no model)
+    join this model's scope when their files load on it; the others stay for another model's daemon.
+    Runs after ready, one adapter at a time, each read bounded by server.adapter_read_timeout_s."""
+    claimed = 0
+    for record in registry.unscoped():
+        if record.name in core.adapters:
+            continue  # this model has its own adapter of that name; the unscoped one stays
+        try:
+            fits = await core.fits_model(record.name, record.path)
+        except (EngineDied, EngineRefused) as exc:
+            log.warning("unscoped adapters not checked: %s", exc)
+            return
+        if not fits or record.name in core.adapters:
+            continue
+        claimed_record = registry.claim(record.name)
+        if claimed_record is not None:
+            core.adapters.put(_entry_of(claimed_record))
+            if claimed_record.pinned:
+                core.pin_adapter(claimed_record.name, True)
+            claimed += 1
+    if claimed:
+        log.info("registry: %d adapters registered without a model scope load on this model; they are its own now",
+                 claimed)
+
+
+def _entry_of(record: AdapterRecord) -> AdapterEntry:
+    """A registry row as the serving core's entry: not read yet, its recorded identity trusted while
+    the files' sizes and mtimes stay the same."""
+    return AdapterEntry(name=record.name, path=record.path, pinned=record.pinned, content_hash=record.content_hash,
+                        fingerprint=fingerprint_from_text(record.fingerprint), uses=record.uses)
 
 
 def serve(config: LoraplexConfig, reload_config: Callable[[], LoraplexConfig] | None = None) -> int:

@@ -1,9 +1,12 @@
 """The adapter registry: which adapters exist, persisted in SQLite under the state directory.
 
-Owns the adapters table (name, path, rank, target modules, pinned, when and by
-whom added), its schema migrations, adapter name rules and the check that an
-adapter path stays inside the allowed roots. Never reads adapter weights and
-never decides residency; that is the cache manager's and the scheduler's job.
+Owns the adapters table (base-model scope, name, path, rank, target modules,
+pinned, when and by whom added, the content hash and file fingerprint last
+seen, how often used), its schema migrations, adapter name rules and the check
+that an adapter path stays inside the allowed roots. Every registry object is
+scoped to one base model (daemon/model_scope.py), so daemons serving different
+models never see each other's adapters. Never reads adapter weights and never
+decides residency; that is the cache manager's and the scheduler's job.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import re
 import sqlite3
 import stat
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +27,9 @@ _NAME = re.compile(r"[A-Za-z0-9._-]{1,%d}" % MAX_NAME_LEN)
 SOURCES: tuple[str, ...] = ("cli", "admin", "flag", "config")
 ERROR_CODES: tuple[str, ...] = ("already_exists", "not_found", "invalid_field", "forbidden_path")
 DEFAULT_BUSY_TIMEOUT_S = 5.0
+# Rows written before registries were scoped by base model (schema 1), or by a caller that names no
+# model: claimed by the first daemon whose model they load on (daemon/model_scope.py).
+UNSCOPED = ""
 
 # Schema migrations: entry i takes the database from version i to version i + 1.
 # Only ever append; a released migration is never edited.
@@ -39,10 +45,35 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             source TEXT NOT NULL
         )""",
     ),
+    (  # 2: one namespace per base model; the identity last seen and the use count (lazy start-up)
+        """CREATE TABLE adapters_v2 (
+            model TEXT NOT NULL,
+            name TEXT NOT NULL,
+            path TEXT NOT NULL,
+            rank INTEGER,
+            target_modules TEXT NOT NULL DEFAULT '[]',
+            pinned INTEGER NOT NULL DEFAULT 0,
+            added_at REAL NOT NULL,
+            source TEXT NOT NULL,
+            content_hash TEXT NOT NULL DEFAULT '',
+            fingerprint TEXT NOT NULL DEFAULT '',
+            uses INTEGER NOT NULL DEFAULT 0,
+            PRIMARY KEY (model, name)
+        )""",
+        """INSERT INTO adapters_v2 (model, name, path, rank, target_modules, pinned, added_at, source)
+           SELECT '', name, path, rank, target_modules, pinned, added_at, source FROM adapters""",
+        "DROP TABLE adapters",
+        "ALTER TABLE adapters_v2 RENAME TO adapters",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
-_COLUMNS = "name, path, rank, target_modules, pinned, added_at, source"
-_INSERT = "INSERT INTO adapters (name, path, rank, target_modules, added_at, source) VALUES (?, ?, ?, ?, ?, ?)"
+# A replace that brings no identity (a --adapter flag at every start) keeps the one recorded for
+# the same path, so the daemon need not hash unchanged files again.
+_KEEP_IDENTITY = ("CASE WHEN excluded.{column} != '' THEN excluded.{column} "
+                  "WHEN adapters.path = excluded.path THEN adapters.{column} ELSE '' END")
+_COLUMNS = "name, path, rank, target_modules, pinned, added_at, source, content_hash, fingerprint, uses"
+_INSERT = ("INSERT INTO adapters (model, name, path, rank, target_modules, added_at, source, content_hash, "
+           "fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
 
 
 class RegistryError(ValueError):
@@ -106,7 +137,9 @@ def check_adapter_path(path: str | os.PathLike[str], allowed_roots: tuple[str, .
 
 @dataclass(frozen=True, slots=True)
 class AdapterRecord:
-    """One registered adapter as stored; rank None = not yet known (read at load time)."""
+    """One registered adapter as stored; rank None = not yet known (read at load time).
+    content_hash and fingerprint: what the daemon last read (daemon/adapter_hash.py), '' = never;
+    uses: requests served with it over past runs (the background warm-up goes most used first)."""
 
     name: str
     path: str
@@ -115,6 +148,9 @@ class AdapterRecord:
     pinned: bool
     added_at: float
     source: str
+    content_hash: str = ""
+    fingerprint: str = ""
+    uses: int = 0
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -133,11 +169,17 @@ class AdapterRegistry:
 
     Meant for one thread (the daemon's event loop): every call is one short
     transaction. Another process (an admin CLI) may open the same file at the
-    same time; writers wait up to `busy_timeout_s` for each other.
+    same time; writers wait up to `busy_timeout_s` for each other. `model` is the
+    base-model scope every query and change is confined to (UNSCOPED: the rows no
+    daemon has claimed yet).
     """
 
-    def __init__(self, db_path: str | os.PathLike[str], *, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S) -> None:
+    def __init__(self, db_path: str | os.PathLike[str], *, model: str = UNSCOPED,
+                 busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S) -> None:
+        if not isinstance(model, str) or len(model) > MAX_NAME_LEN:
+            raise ValueError(f"registry model scope must be a string of at most {MAX_NAME_LEN} chars, got {model!r}")
         self.db_path = Path(db_path)
+        self.model = model
         _ensure_private_dir(self.db_path.parent)
         _precreate_private_file(self.db_path)
         self._conn: sqlite3.Connection | None = sqlite3.connect(
@@ -174,12 +216,23 @@ class AdapterRegistry:
 
     # ---- queries ----------------------------------------------------------------------------
     def get(self, name: str) -> AdapterRecord | None:
-        row = self._db.execute(f"SELECT {_COLUMNS} FROM adapters WHERE name = ?", (name,)).fetchone()
-        return None if row is None else _record(row)
+        return self._get(self._db, name)
 
     def list(self) -> list[AdapterRecord]:
-        """Every adapter, sorted by name."""
-        return [_record(row) for row in self._db.execute(f"SELECT {_COLUMNS} FROM adapters ORDER BY name")]
+        """Every adapter of this model, sorted by name."""
+        return [_record(row) for row in self._db.execute(
+            f"SELECT {_COLUMNS} FROM adapters WHERE model = ? ORDER BY name", (self.model,))]
+
+    def unscoped(self) -> list[AdapterRecord]:
+        """The rows no model has claimed yet (see UNSCOPED), sorted by name; [] for the unscoped view."""
+        if self.model == UNSCOPED:
+            return []
+        return [_record(row) for row in self._db.execute(
+            f"SELECT {_COLUMNS} FROM adapters WHERE model = ? ORDER BY name", (UNSCOPED,))]
+
+    def count_other_models(self) -> int:
+        """Adapters registered under other scopes (unclaimed ones included): what this model does not see."""
+        return int(self._db.execute("SELECT COUNT(*) FROM adapters WHERE model != ?", (self.model,)).fetchone()[0])
 
     # ---- changes ----------------------------------------------------------------------------
     def add(
@@ -191,9 +244,11 @@ class AdapterRegistry:
         target_modules: Iterable[str] = (),
         source: str = "admin",
         replace: bool = False,
+        content_hash: str = "",
+        fingerprint: str = "",
     ) -> AdapterRecord:
         """Register `name` at absolute `path`; with replace=True an existing entry is
-        overwritten (keeping its pin), otherwise RegistryError("already_exists")."""
+        overwritten (keeping its pin and use count), otherwise RegistryError("already_exists")."""
         check_adapter_name(name)
         path_str = _check_path(path)
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0):
@@ -201,12 +256,15 @@ class AdapterRegistry:
         modules = _check_modules(target_modules)
         if source not in SOURCES:
             raise RegistryError("invalid_field", f"adapter source must be one of {', '.join(SOURCES)}, got {source!r}")
-        row = (name, path_str, rank, json.dumps(list(modules)), time.time(), source)
+        row = (self.model, name, path_str, rank, json.dumps(list(modules)), time.time(), source, str(content_hash),
+               str(fingerprint))
         with self._transaction() as db:
             if replace:
                 db.execute(
-                    f"{_INSERT} ON CONFLICT (name) DO UPDATE SET path = excluded.path, rank = excluded.rank, "
-                    "target_modules = excluded.target_modules, added_at = excluded.added_at, source = excluded.source",
+                    f"{_INSERT} ON CONFLICT (model, name) DO UPDATE SET path = excluded.path, rank = excluded.rank, "
+                    "target_modules = excluded.target_modules, added_at = excluded.added_at, source = excluded.source, "
+                    f"content_hash = {_KEEP_IDENTITY.format(column='content_hash')}, "
+                    f"fingerprint = {_KEEP_IDENTITY.format(column='fingerprint')}",
                     row,
                 )
             else:
@@ -214,14 +272,14 @@ class AdapterRegistry:
                     db.execute(_INSERT, row)
                 except sqlite3.IntegrityError:
                     raise RegistryError("already_exists", f"adapter {name!r} is already registered") from None
-            stored = db.execute(f"SELECT {_COLUMNS} FROM adapters WHERE name = ?", (name,)).fetchone()
-        return _record(stored)
+            stored = self._get(db, name)
+        return stored  # type: ignore[return-value]
 
     def remove(self, name: str, *, missing_ok: bool = False) -> bool:
         """Unregister `name`; True if it was registered. A missing name raises
         RegistryError("not_found") unless missing_ok, which returns False."""
         with self._transaction() as db:
-            removed = db.execute("DELETE FROM adapters WHERE name = ?", (name,)).rowcount > 0
+            removed = db.execute("DELETE FROM adapters WHERE model = ? AND name = ?", (self.model, name)).rowcount > 0
         if not removed and not missing_ok:
             raise RegistryError("not_found", f"adapter {name!r} is not registered")
         return removed
@@ -229,13 +287,41 @@ class AdapterRegistry:
     def set_pinned(self, name: str, pinned: bool) -> AdapterRecord:
         """Pin or unpin `name`; RegistryError("not_found") if it is not registered."""
         with self._transaction() as db:
-            db.execute("UPDATE adapters SET pinned = ? WHERE name = ?", (int(bool(pinned)), name))
-            row = db.execute(f"SELECT {_COLUMNS} FROM adapters WHERE name = ?", (name,)).fetchone()
-        if row is None:
+            db.execute("UPDATE adapters SET pinned = ? WHERE model = ? AND name = ?", (int(bool(pinned)), self.model, name))
+            record = self._get(db, name)
+        if record is None:
             raise RegistryError("not_found", f"adapter {name!r} is not registered")
-        return _record(row)
+        return record
+
+    def record_identity(self, name: str, content_hash: str, fingerprint: str) -> None:
+        """What the daemon read of `name`'s files (a no-op for a name not registered here)."""
+        with self._transaction() as db:
+            db.execute("UPDATE adapters SET content_hash = ?, fingerprint = ? WHERE model = ? AND name = ?",
+                       (content_hash, fingerprint, self.model, name))
+
+    def add_uses(self, counts: Mapping[str, int]) -> None:
+        """Add requests served per adapter (at the daemon's stop) to the stored use counts."""
+        rows = [(int(n), self.model, name) for name, n in counts.items() if n > 0]
+        if rows:
+            with self._transaction() as db:
+                db.executemany("UPDATE adapters SET uses = uses + ? WHERE model = ? AND name = ?", rows)
+
+    def claim(self, name: str) -> AdapterRecord | None:
+        """Move the unscoped row `name` into this model's scope; None if there is none, or this
+        model already has an adapter of that name (the unscoped row then stays for another)."""
+        if self.model == UNSCOPED:
+            return None
+        with self._transaction() as db:
+            if self._get(db, name) is not None:
+                return None
+            db.execute("UPDATE adapters SET model = ? WHERE model = ? AND name = ?", (self.model, UNSCOPED, name))
+            return self._get(db, name)
 
     # ---- internals --------------------------------------------------------------------------
+    def _get(self, db: sqlite3.Connection, name: str) -> AdapterRecord | None:
+        row = db.execute(f"SELECT {_COLUMNS} FROM adapters WHERE model = ? AND name = ?", (self.model, name)).fetchone()
+        return None if row is None else _record(row)
+
     @property
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
@@ -275,7 +361,7 @@ class AdapterRegistry:
 
 
 def _record(row: tuple[object, ...]) -> AdapterRecord:
-    name, path, rank, modules, pinned, added_at, source = row
+    name, path, rank, modules, pinned, added_at, source, content_hash, fingerprint, uses = row
     return AdapterRecord(
         name=str(name),
         path=str(path),
@@ -284,6 +370,9 @@ def _record(row: tuple[object, ...]) -> AdapterRecord:
         pinned=bool(pinned),
         added_at=float(added_at),  # type: ignore[arg-type]
         source=str(source),
+        content_hash=str(content_hash),
+        fingerprint=str(fingerprint),
+        uses=int(uses),  # type: ignore[call-overload]
     )
 
 

@@ -12,8 +12,10 @@ import asyncio
 import logging
 
 from loraplex.daemon.access import redact_for_remote
+from loraplex.daemon.adapter_hash import fingerprint_to_text
 from loraplex.daemon.registry import AdapterRegistry, RegistryError, check_adapter_path
 from loraplex.daemon.serving import Rejected, ServingCore
+from loraplex.ipc.adapter_files import AdapterFileError
 from loraplex.ipc.errors import ErrorCode, ProtocolError
 from loraplex.ipc.protocol import (
     AdaptersReply,
@@ -39,6 +41,10 @@ from loraplex.ipc.sockets import AsyncTypedSocket, PeerUnavailable
 log = logging.getLogger("loraplex.daemon")
 _ADMIN_ONLY = (AddAdapterRequest, RemoveAdapterRequest, PinAdapterRequest, DrainRequest, SetPolicyRequest,
                PauseRequest)
+# Admin orders that await files or child processes: each runs as its own task (at most this many at
+# once; the socket is read again once one finishes), the others are answered in order at once.
+_SLOW_ADMIN = (AddAdapterRequest, RemoveAdapterRequest)
+MAX_CONCURRENT_ADMIN_ORDERS = 32
 
 
 class Listener:
@@ -72,28 +78,44 @@ class Dispatcher:
             raise ConnectionError(str(exc)) from None
 
     async def serve(self, listener: Listener) -> None:
-        while True:
-            try:
-                envelope = await listener.sock.recv()
-            except ProtocolError as err:
-                if err.identity is not None:
-                    await self._reply(bytes([listener.tag]) + err.identity, ErrorReply.from_error(err))
-                continue
-            identity = bytes([listener.tag]) + (envelope.identity or b"")
-            try:
-                reply = await self.handle(listener, identity, envelope.message)
-            except Rejected as exc:
-                reply = ErrorReply(request_id=getattr(envelope.message, "request_id", None), code=exc.code,
-                                   message=exc.message[:4000])
-            except Exception as exc:  # a bug must not take the daemon down; the client learns of it
-                log.exception("internal error handling %s", envelope.message.TYPE)
-                reply = ErrorReply(request_id=getattr(envelope.message, "request_id", None),
-                                   code=ErrorCode.INTERNAL.value, message=f"internal error: {exc}"[:4000])
-            if reply is not None:
-                await self._reply(identity, reply)
-            # A backlog of queued messages is received without suspending (the futures are
-            # already done): yield, so the step loops stream tokens between a flood's messages.
-            await asyncio.sleep(0)
+        orders: set[asyncio.Task] = set()  # admin orders that wait on files or children, answered when done
+        slots = asyncio.Semaphore(MAX_CONCURRENT_ADMIN_ORDERS)
+        try:
+            while True:
+                try:
+                    envelope = await listener.sock.recv()
+                except ProtocolError as err:
+                    if err.identity is not None:
+                        await self._reply(bytes([listener.tag]) + err.identity, ErrorReply.from_error(err))
+                    continue
+                identity = bytes([listener.tag]) + (envelope.identity or b"")
+                if listener.admin and isinstance(envelope.message, _SLOW_ADMIN):
+                    # One slow add (a big or unreadable adapter) must never hold up list, ping or drain.
+                    await slots.acquire()
+                    task = asyncio.create_task(self._answer(listener, identity, envelope.message),
+                                               name=f"admin-{envelope.message.TYPE}")
+                    orders.add(task)
+                    task.add_done_callback(lambda t: (orders.discard(t), slots.release()))
+                    continue
+                await self._answer(listener, identity, envelope.message)
+                # A backlog of queued messages is received without suspending (the futures are
+                # already done): yield, so the step loops stream tokens between a flood's messages.
+                await asyncio.sleep(0)
+        finally:
+            for task in orders:
+                task.cancel()
+
+    async def _answer(self, listener: Listener, identity: bytes, msg: Message) -> None:
+        try:
+            reply = await self.handle(listener, identity, msg)
+        except Rejected as exc:
+            reply = ErrorReply(request_id=getattr(msg, "request_id", None), code=exc.code, message=exc.message[:4000])
+        except Exception as exc:  # a bug must not take the daemon down; the client learns of it
+            log.exception("internal error handling %s", msg.TYPE)
+            reply = ErrorReply(request_id=getattr(msg, "request_id", None),
+                               code=ErrorCode.INTERNAL.value, message=f"internal error: {exc}"[:4000])
+        if reply is not None:
+            await self._reply(identity, reply)
 
     async def _reply(self, identity: bytes, msg: Message) -> None:
         try:
@@ -124,15 +146,16 @@ class Dispatcher:
     async def handle_admin(self, msg: Message) -> Message:
         rid = getattr(msg, "request_id", None)
         try:
-            if isinstance(msg, AddAdapterRequest):
-                path = str(check_adapter_path(msg.path, self.allowed_roots))
+            if isinstance(msg, AddAdapterRequest):  # the path is resolved off the loop: it may sit on a slow mount
+                path = str(await self.core.reader.run(lambda p: check_adapter_path(p, self.allowed_roots), msg.path))
                 changed = True
                 if msg.replace:
                     entry, changed = await self.core.replace_adapter(msg.name, path)
                 else:
                     entry = await self.core.add_adapter(msg.name, path)
-                self.registry.add(msg.name, path, rank=entry.rank, target_modules=entry.target_modules,
-                                  source="admin", replace=msg.replace)
+                self.registry.add(msg.name, path, rank=entry.rank or None, target_modules=entry.target_modules,
+                                  source="admin", replace=msg.replace, content_hash=entry.content_hash,
+                                  fingerprint=fingerprint_to_text(entry.fingerprint))
                 return AdminOkReply(detail={"adapter": entry.to_wire(resident=False, refs=0), "changed": changed},
                                     request_id=rid)
             if isinstance(msg, RemoveAdapterRequest):
@@ -166,6 +189,8 @@ class Dispatcher:
             code = {"already_exists": ErrorCode.ALREADY_EXISTS, "not_found": ErrorCode.NOT_FOUND,
                     "forbidden_path": ErrorCode.FORBIDDEN_PATH}.get(exc.code, ErrorCode.INVALID_FIELD)
             raise Rejected(code, str(exc)) from None
+        except AdapterFileError as exc:
+            raise Rejected(exc.code, str(exc)) from None
         raise Rejected(ErrorCode.UNKNOWN_TYPE, f"unhandled admin message {msg.TYPE}")
 
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from typing import Awaitable, Callable
 from typing import Sequence as SequenceOf
 
+from loraplex.daemon.adapter_hash import AdapterReader
 from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
 from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.decision_log import DecisionLog, StepDecision
@@ -34,6 +36,7 @@ from loraplex.daemon.scheduler.base import BaseScheduler
 from loraplex.daemon.scheduler.factory import POLICIES
 from loraplex.daemon.scheduler.sequence import Sequence, SeqRequest
 from loraplex.daemon.stats import ServingStats, in_flight_rows
+from loraplex.ipc.adapter_files import resolve_roots
 from loraplex.ipc.engine_plan import StepPlan
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
@@ -92,6 +95,12 @@ class ServingCore(RequestAdmission, AdapterAdmin, HostTierAdmin, EngineEvents):
         self._host_lock = asyncio.Lock()
         self._host_loads: dict[str, asyncio.Task] = {}  # adapter -> load for requests held for it
         self._cache_recovery: asyncio.Task | None = None
+        self._warming: asyncio.Task | None = None  # the background warm-up of the host store
+        # Adapter files are read (hashed) off the loop with a deadline; admin orders run concurrently.
+        self.reader = AdapterReader(resolve_roots(config.server.adapter_dirs), config.server.adapter_read_timeout_s)
+        self._adding: set[str] = set()  # names whose add is in progress
+        # Told when an adapter's files were (re)hashed, so the registry keeps the identity (set by main).
+        self.on_identified: Callable[[AdapterEntry], None] | None = None
 
     # The first engine, for callers that think of one engine (the watchdog, single-engine tests).
     @property
@@ -111,23 +120,20 @@ class ServingCore(RequestAdmission, AdapterAdmin, HostTierAdmin, EngineEvents):
         return any(slot.link.alive() for slot in self.slots)
 
     # ---- lifecycle --------------------------------------------------------------------------
-    async def start(self, adapters: list[tuple[str, str, bool]]) -> None:
-        """Start the engines (concurrently), register `adapters` (name, path, pinned) with each,
-        start stepping. Raises EngineDied / EngineRefused if an engine cannot start."""
-        for name, path, pinned in adapters:
-            self.adapters.put(AdapterEntry(name=name, path=path, pinned=pinned))
+    async def start(self, adapters: Iterable[AdapterEntry]) -> None:
+        """Start the engines (concurrently), register `adapters`, start stepping. Raises EngineDied /
+        EngineRefused if an engine cannot start. With a host tier no adapter file is read here (but in
+        cached mode), so start-up never waits on one: each is validated and loaded when a request
+        first needs it, and the host store is warmed in the background (most used first) once serving."""
+        for entry in adapters:
+            self.adapters.put(entry)
         if self.config.server.decision_log:
             self.decisions = DecisionLog(self.config.server.decision_log)
         if self.cache is not None:  # before the engines: they attach its store
             await self._cache_up()
-            async with self._host_lock:
-                for entry in self.adapters.entries():
-                    if entry.pinned:
-                        self.host_tier.pin(entry.name)
-                    try:  # no eviction at start: what does not fit stays on disk until a request needs it
-                        await self._host_admit(entry, evict=False)
-                    except EngineRefused as exc:
-                        entry.failed(str(exc))
+            for entry in self.adapters.entries():
+                if entry.pinned:
+                    self.host_tier.pin(entry.name)
         results = await asyncio.gather(*(self._engine_up(slot) for slot in self.slots), return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
@@ -136,9 +142,17 @@ class ServingCore(RequestAdmission, AdapterAdmin, HostTierAdmin, EngineEvents):
             if self.cache is not None:
                 await self._stop_cache()
             raise failure
+        if self.cache is not None and self.load_mode == "cached":
+            # cached mode places every adapter at start by definition: its start-up grows with them
+            # (each read still bounded by server.adapter_read_timeout_s; a bad one is marked `error`).
+            await self._warm_host_tier()
+            for slot in self.slots:
+                if slot.scheduler is not None:
+                    await slot.flush_placements()
         for slot in self.slots:
             slot.loop_task = asyncio.create_task(self._step_loop(slot), name=f"step-loop-{slot.index}")
-        await self.hash_adapters()
+        if self.cache is not None and self.load_mode != "cached":
+            self.start_warming()
 
     async def _engine_up(self, slot: EngineSlot) -> None:
         hello = await slot.bring_up(self.adapters, self.policy, self.cache_policy, self.config.model.load_groups)
@@ -223,6 +237,7 @@ class ServingCore(RequestAdmission, AdapterAdmin, HostTierAdmin, EngineEvents):
         log.info("cpu_assist: %d CPU LoRA workers, %.0f MB/s link", pool.size, hello.link_bytes_per_s / 1e6)
 
     async def stop(self) -> None:
+        await self.stop_warming()
         for slot in self.slots:
             if slot.loop_task is not None:
                 slot.loop_task.cancel()
@@ -486,4 +501,5 @@ class ServingCore(RequestAdmission, AdapterAdmin, HostTierAdmin, EngineEvents):
             tokenizing=len(self._intake),
             in_flight=in_flight_rows(self.requests.values(), scheds, time.monotonic()),
             in_flight_total=len(self.requests),
+            adapter_counts=self.adapter_summary(),
         )

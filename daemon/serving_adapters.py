@@ -9,12 +9,12 @@ copies. Torch-free; mixed into ServingCore (daemon/serving.py).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections import Counter
 
-from loraplex.daemon.adapter_hash import adapter_content_hash, adapter_fingerprint
 from loraplex.daemon.adapter_table import AdapterEntry
 from loraplex.daemon.engine_link import EngineRefused
+from loraplex.ipc.adapter_files import AdapterFileError
 from loraplex.ipc.errors import ErrorCode
 
 log = logging.getLogger("loraplex.daemon")
@@ -30,14 +30,22 @@ class Rejected(Exception):
 
 
 class AdapterAdmin:
-    """Needs from its host class: adapters, slots, requests, load_mode, replicas, _held, _departed,
-    and the host tier's (daemon/serving_host.py) cache, host_tier and its methods."""
+    """Needs from its host class: adapters, slots, requests, load_mode, replicas, reader, on_identified,
+    _adding, _held, _departed, and the host tier's (daemon/serving_host.py) cache, host_tier and its
+    methods."""
 
     async def add_adapter(self, name: str, path: str, pinned: bool = False) -> AdapterEntry:
-        if name in self.adapters:
+        if name in self.adapters or name in self._adding:
             raise Rejected(ErrorCode.ALREADY_EXISTS, f"adapter {name!r} is already registered")
-        entry = AdapterEntry(name=name, path=path, pinned=pinned)
-        await _hash_into(entry)
+        self._adding.add(name)  # admin orders run concurrently: a second add of this name waits for none
+        try:
+            return await self._add(AdapterEntry(name=name, path=path, pinned=pinned))
+        finally:
+            self._adding.discard(name)
+
+    async def _add(self, entry: AdapterEntry) -> AdapterEntry:
+        name = entry.name
+        await self._identify(entry)
         if self.cache is not None:  # host store first (or on disk when it is full), then every engine
             await self._add_through_cache(entry)
         else:
@@ -47,25 +55,35 @@ class AdapterAdmin:
                     if entry.state != "ready":
                         raise Rejected(ErrorCode.INVALID_ADAPTER, entry.error or "the engine refused the adapter")
         self.adapters.put(entry)
-        if self.load_mode == "cached" and entry.state == "ready" and (self.cache is None or entry.store_entry):
-            for slot in self.slots:  # placed with the next step, kept for good
-                if slot.scheduler is not None:
-                    slot.scheduler.adapters.acquire(name, entry.num_pages)
+        self._keep_if_cached_mode(entry)
         return entry
+
+    def _keep_if_cached_mode(self, entry: AdapterEntry) -> None:
+        """cached mode: a ready adapter (in the host store, with one) is placed on every engine with
+        the next step and kept for good."""
+        if self.load_mode == "cached" and entry.state == "ready" and (self.cache is None or entry.store_entry):
+            for slot in self.slots:
+                if slot.scheduler is not None:
+                    slot.scheduler.adapters.acquire(entry.name, entry.num_pages)
 
     async def _add_through_cache(self, entry: AdapterEntry) -> None:
         if entry.pinned:
             self.host_tier.pin(entry.name)
+        code = ErrorCode.INVALID_ADAPTER
         try:
             await self._register_with_cache(entry)
         except EngineRefused as exc:
             entry.failed(str(exc))
+            code = ErrorCode(exc.code) if exc.code == ErrorCode.FORBIDDEN_PATH.value else code
+        if entry.state == "ready" and self._never_fits(entry):
+            entry.failed(self._too_large_message(entry))
+            code = ErrorCode.TOO_LARGE
         if entry.state != "ready":
             self.host_tier.unpin(entry.name)
             for slot in self.slots:
                 await slot.unload_adapter(entry.name)
             await self._forget_in_cache(entry.name)
-            raise Rejected(ErrorCode.INVALID_ADAPTER, entry.error or "the adapter was refused")
+            raise Rejected(code, entry.error or "the adapter was refused")
 
     async def replace_adapter(self, name: str, path: str) -> tuple[AdapterEntry, bool]:
         """Serve the adapter at `path` as `name` (registering it if new). Returns (entry, changed):
@@ -76,9 +94,9 @@ class AdapterAdmin:
         if entry.replacing:
             raise Rejected(ErrorCode.INVALID_FIELD, f"adapter {name!r} is already being replaced")
         fresh = AdapterEntry(name=name, path=path, pinned=entry.pinned)
-        await _hash_into(fresh)
+        await self._identify(fresh)
         if not fresh.content_hash:
-            raise Rejected(ErrorCode.INVALID_ADAPTER, f"cannot read the adapter files under {path}")
+            raise Rejected(ErrorCode.INVALID_ADAPTER, f"the adapter files under {path} are missing")
         if fresh.content_hash == entry.content_hash and entry.state == "ready":
             entry.path, entry.fingerprint = path, fresh.fingerprint
             return entry, False
@@ -120,6 +138,17 @@ class AdapterAdmin:
         if probe.state != "ready":
             raise Rejected(ErrorCode.INVALID_ADAPTER, probe.error or "the engine refused the adapter")
 
+    async def fits_model(self, name: str, path: str) -> bool:
+        """Whether the adapter files at `path` may be read and load on this base model (checked under
+        a scratch name; nothing is registered)."""
+        probe = AdapterEntry(name=f"{name[:100]}.claim", path=path)
+        try:
+            await self._identify(probe)
+            await self._validate_elsewhere(probe)
+        except Rejected:
+            return False
+        return True
+
     def _users(self, name: str) -> list[str]:
         held = {seq.request_id for seq in self._held.get(name, [])}
         return [key for key, state in self.requests.items() if state.msg.adapter == name and key not in held]
@@ -135,6 +164,8 @@ class AdapterAdmin:
         entry = self.adapters.get(name)
         if entry is None:
             raise Rejected(ErrorCode.NOT_FOUND, f"unknown adapter {name!r}")
+        if entry.replacing:
+            raise Rejected(ErrorCode.INVALID_FIELD, f"adapter {name!r} is being replaced; remove it afterwards")
         users = [s for s in self.requests.values() if s.msg.adapter == name]
         if users:
             raise Rejected(ErrorCode.INVALID_FIELD, f"adapter {name!r} is used by {len(users)} requests in flight")
@@ -146,21 +177,52 @@ class AdapterAdmin:
 
     def adapter_list(self) -> list[dict[str, object]]:
         residencies = [s.scheduler.adapters for s in self.slots if s.scheduler is not None]
-        return [e.to_wire(resident=any(r.is_resident(e.name) for r in residencies),
-                          refs=sum(r.refs(e.name) for r in residencies)) for e in self.adapters.entries()]
+        listed = []
+        for e in self.adapters.entries():
+            on_gpu = any(r.is_resident(e.name) for r in residencies)
+            tier = "gpu" if on_gpu else "host" if self._in_host_store(e.name) else "disk"
+            listed.append(e.to_wire(resident=on_gpu, refs=sum(r.refs(e.name) for r in residencies), tier=tier))
+        return listed
 
-    async def hash_adapters(self) -> None:
-        """Hash the files of adapters registered without a hash (at start, the demo's)."""
-        for entry in self.adapters.entries():
-            if not entry.content_hash:
-                await _hash_into(entry)
+    def adapter_summary(self) -> dict[str, object]:
+        """Counts per state and per tier (gpu, host, disk), for stats: the names stay in the adapter
+        list (`loraplex adapters list --tier`), never in every snapshot. Cheap at 10,000 adapters."""
+        by_state = Counter(e.state for e in self.adapters.values())
+        on_gpu = {n for s in self.slots if s.scheduler is not None for n in s.scheduler.adapters.resident_names()
+                  if n in self.adapters}
+        host = 0 if self.host_tier is None else sum(1 for n in self.host_tier.resident_names() if n not in on_gpu)
+        return {"total": len(self.adapters), **{state: by_state[state] for state in ("registered", "ready", "error")},
+                "tiers": {"gpu": len(on_gpu), "host": host, "disk": len(self.adapters) - len(on_gpu) - host}}
 
-    def files_changed(self, name: str, path: str) -> bool:
+    async def _identify(self, entry: AdapterEntry) -> None:
+        """Hash the entry's files (off the loop, with a deadline). Rejected when they may not or cannot
+        be read: never a regular file's stand-in, never outside the allowed directories."""
+        try:
+            entry.fingerprint, entry.content_hash = await self.reader.identify(entry.path)
+        except AdapterFileError as exc:
+            raise Rejected(exc.code, str(exc)) from None
+
+    async def _ensure_identified(self, entry: AdapterEntry) -> None:
+        """Before a lazy load: trust the recorded hash while the files' sizes and mtimes are unchanged,
+        else hash them again (and record it). Rejected as _identify."""
+        try:
+            fingerprint = await self.reader.fingerprint(entry.path)
+        except AdapterFileError as exc:
+            raise Rejected(exc.code, str(exc)) from None
+        if entry.content_hash and fingerprint == entry.fingerprint:
+            return
+        await self._identify(entry)
+        if self.on_identified is not None:
+            self.on_identified(entry)
+
+    async def files_changed(self, name: str, path: str) -> bool:
         """Cheap check (sizes, mtimes, path) whether `name` may need replacing."""
         entry = self.adapters.get(name)
-        return entry is None or entry.path != path or adapter_fingerprint(path) != entry.fingerprint
-
-
-async def _hash_into(entry: AdapterEntry) -> None:
-    entry.fingerprint = await asyncio.to_thread(adapter_fingerprint, entry.path)
-    entry.content_hash = await asyncio.to_thread(adapter_content_hash, entry.path)
+        if entry is None or entry.path != path:
+            return True
+        if entry.state == "registered":
+            return False  # never loaded: nothing stale to replace, the first load reads what is there
+        try:
+            return await self.reader.fingerprint(path) != entry.fingerprint
+        except AdapterFileError:
+            return True  # replacing reports why it cannot read them

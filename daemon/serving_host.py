@@ -16,6 +16,8 @@ import time
 from loraplex.daemon.adapter_table import AdapterEntry
 from loraplex.daemon.engine_link import EngineDied, EngineRefused
 from loraplex.daemon.host_tier import HostTier
+from loraplex.daemon.serving_adapters import Rejected
+from loraplex.ipc.adapter_files import allow_also
 from loraplex.ipc.adapter_store import ArenaAllocator
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import EngineAdapterLoaded, EngineLoadAdapter, EngineUnloadAdapter, Message
@@ -44,6 +46,7 @@ class HostTierAdmin:
         for name, path in hello.demo_adapters.items():  # the built-in demo's adapters, serving without --model
             if name not in self.adapters:
                 self.adapters.put(AdapterEntry(name=name, path=path))
+        self.reader.roots = allow_also(self.reader.roots, hello.demo_adapters.values())
         self.cache.on_lost = self._on_cache_lost
         log.info("cache manager up (pid %s): host store %s, %.1f MB", self.cache.pid, hello.store_segment,
                  hello.capacity_bytes / 1e6)
@@ -140,15 +143,26 @@ class HostTierAdmin:
                 raise
             if isinstance(reply, EngineAdapterLoaded) and reply.store_entry is not None:
                 entry.loaded(reply)
-                tier.add(entry.name, ArenaAllocator.extent_size(reply.store_entry.nbytes),
-                         (time.perf_counter() - started) * 1e3)
+                entry.store_bytes = ArenaAllocator.extent_size(reply.store_entry.nbytes)
+                tier.add(entry.name, entry.store_bytes, (time.perf_counter() - started) * 1e3)
                 return True
             entry.loaded(reply)  # cache_store_full: the files are valid, the store has no room
+            entry.store_bytes = reply.needed_bytes
+            if self._never_fits(entry):
+                return False
             victims = tier.victims(reply.needed_bytes, reply.free_bytes, self._busy_adapters()) if evict else []
             if not victims:
                 return False
             for name in victims:
                 await self._host_evict(name, recovering=recovering)
+
+    def _never_fits(self, entry: AdapterEntry) -> bool:
+        """Larger than the whole host store: no eviction can ever make room for it."""
+        return self.host_tier is not None and entry.store_bytes > self.host_tier.capacity
+
+    def _too_large_message(self, entry: AdapterEntry) -> str:
+        return (f"adapter {entry.name!r} needs {entry.store_bytes} bytes in the host store, which holds "
+                f"{self.host_tier.capacity} bytes in all (model.host_store_bytes); it can never be served")
 
     async def _host_evict(self, name: str, *, evicted: bool = True, recovering: bool = False) -> None:
         """Take `name` out of the host tier: engines drop their host and GPU copies first, then
@@ -219,7 +233,7 @@ class HostTierAdmin:
     async def _bring_to_host(self, name: str) -> None:
         """Load `name` for the requests held for it, then route them. While adapters of requests
         in flight fill the store, retry whenever a request leaves; fail the held requests when
-        the files are bad or the adapter can never fit."""
+        the files are bad or the adapter can never fit (the entry is marked `error` then)."""
         try:
             while any(seq.request_id in self.requests for seq in self._held.get(name, [])):
                 entry = self.adapters.get(name)
@@ -228,12 +242,22 @@ class HostTierAdmin:
                     return
                 self._departed.clear()
                 try:
+                    await self._ensure_identified(entry)  # off the lock: a slow file holds up no other load
+                except Rejected as exc:
+                    entry.failed(exc.message)
+                    await self._fail_held(name, ErrorCode(exc.code), f"adapter {name!r} cannot be loaded: "
+                                                                     f"{exc.message}")
+                    return
+                try:
                     async with self._host_lock:
                         admitted = await self._host_admit(entry, evict=True)
                         if admitted:
                             await self._engines_load(entry)
                 except EngineRefused as exc:
-                    await self._fail_held(name, ErrorCode.INVALID_ADAPTER, f"adapter {name!r} cannot be loaded: {exc}")
+                    entry.failed(str(exc))  # listed as `error` with its reason; new requests are refused at once
+                    code = ErrorCode.FORBIDDEN_PATH if exc.code == ErrorCode.FORBIDDEN_PATH.value \
+                        else ErrorCode.INVALID_ADAPTER
+                    await self._fail_held(name, code, f"adapter {name!r} cannot be loaded: {exc}")
                     return
                 except EngineDied as exc:
                     await self._fail_held(name, ErrorCode.UNAVAILABLE, f"the cache manager is unavailable: {exc}")
@@ -244,10 +268,9 @@ class HostTierAdmin:
                 if admitted:
                     self._release_held(name)
                     return
-                if entry.nbytes > self.host_tier.capacity:
-                    await self._fail_held(name, ErrorCode.OVERLOADED,
-                                          f"adapter {name!r} ({entry.nbytes} bytes) is larger than the host store "
-                                          f"({self.host_tier.capacity} bytes; model.host_store_bytes)")
+                if self._never_fits(entry):
+                    entry.failed(self._too_large_message(entry))
+                    await self._fail_held(name, ErrorCode.TOO_LARGE, entry.error)
                     return
                 log.info("host store full of adapters in use; %s waits for a request to finish", name)
                 try:  # bounded: another waiter's clear() may have swallowed the departure meant for us
@@ -269,6 +292,57 @@ class HostTierAdmin:
                 self._host_loads[name] = asyncio.create_task(self._bring_to_host(name), name=f"host-load-{name}")
         else:
             self._release_held(name)
+
+    # ---- the background warm-up -------------------------------------------------------------
+    def start_warming(self) -> None:
+        """After start: fill the host store from disk in the background, pinned and most used first."""
+        if self._warming is None or self._warming.done():
+            self._warming = asyncio.create_task(self._warm_host_tier(), name="host-warm-up")
+
+    async def stop_warming(self) -> None:
+        if self._warming is not None:
+            self._warming.cancel()
+            await asyncio.gather(self._warming, return_exceptions=True)
+            self._warming = None
+
+    async def _warm_host_tier(self) -> None:
+        """Validate and load registered adapters into the host store one at a time, never evicting:
+        stop at the first that finds no room (the rest load when a request needs them). A bad one
+        is marked `error` with its reason. Requests' own loads go first: each step takes the lock
+        briefly and the files are hashed outside it."""
+        order = sorted(self.adapters.entries(), key=lambda e: (not e.pinned, -(e.uses + e.requests), e.name))
+        warmed = 0
+        for entry in order:
+            if self.draining or self.adapters.get(entry.name) is not entry or entry.state == "error" \
+                    or entry.replacing or self.host_tier.is_resident(entry.name):
+                continue
+            try:
+                await self._ensure_identified(entry)
+            except Rejected as exc:
+                entry.failed(exc.message)
+                log.warning("adapter %s: %s", entry.name, exc.message)
+                continue
+            async with self._host_lock:
+                if self.adapters.get(entry.name) is not entry or self.host_tier.is_resident(entry.name):
+                    continue
+                try:
+                    admitted = await self._host_admit(entry, evict=False)
+                except EngineRefused as exc:
+                    entry.failed(str(exc))
+                    log.warning("adapter %s cannot be served: %s", entry.name, exc)
+                    continue
+                except EngineDied:
+                    return  # the cache manager's recovery reloads what was in use
+                if admitted:
+                    await self._engines_load(entry)
+                    self._keep_if_cached_mode(entry)
+                    warmed += 1
+                elif self._never_fits(entry):
+                    entry.failed(self._too_large_message(entry))
+                else:
+                    break
+        log.info("host store warmed: %d adapters loaded in the background (%d resident)", warmed,
+                 len(self.host_tier.resident_names()))
 
     def host_snapshot(self) -> dict[str, object] | None:
         if self.host_tier is None:

@@ -56,7 +56,7 @@ class RequestAdmission:
             entry = self.adapters.get(msg.adapter)
             if entry is None:
                 raise Rejected(ErrorCode.UNKNOWN_ADAPTER, f"unknown adapter {msg.adapter!r}")
-            if entry.state != "ready":
+            if entry.state == "error" or (entry.state != "ready" and self.host_tier is None):
                 raise Rejected(ErrorCode.INVALID_ADAPTER, f"adapter {msg.adapter!r} is not usable: {entry.error}")
 
     def _register(self, identity: bytes, key: str, msg: GenerateRequest) -> ClientRequest:

@@ -21,6 +21,7 @@ from loraplex.gpu_engine.host_store import HostStore, StoreFull
 from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.runtime import DTYPES, EngineSpec
+from loraplex.ipc.adapter_files import allow_also
 from loraplex.ipc.adapter_store import ArenaAllocator, store_entry_layout
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
@@ -47,6 +48,7 @@ class CacheManager:
         self.config = ModelConfig.from_dir(self.spec.model or "")
         self.geometry = PageGeometry.for_model(self.config.module_shapes(), self.config.kv_dim, self.spec.page_tokens)
         self.dtype = DTYPES[self.spec.dtype]
+        self.roots = self.spec.adapter_roots
         # Never pinned here: this process has no CUDA context; each engine registers its own mapping.
         self.store = HostStore(spec.host_store_segment, spec.host_store_bytes, self.dtype, pin=False)
 
@@ -56,6 +58,7 @@ class CacheManager:
             from loraplex.gpu_engine.demo import builtin_demo
 
             demo_adapters = {name: str(path) for name, path in builtin_demo().adapters.items()}
+            self.roots = allow_also(self.roots, demo_adapters.values())  # its own adapters are always allowed
         return CacheHello(pid=os.getpid(), store_segment=self.store.name, capacity_bytes=self.store.arena.capacity,
                           dtype=self.spec.dtype, model_dir=str(self.spec.model), demo_adapters=demo_adapters)
 
@@ -71,7 +74,7 @@ class CacheManager:
         """Read and validate `path`, then place it in the store (replacing an entry of that name)."""
         try:
             adapter = load_peft_adapter(name, path, self.config, max_lora_rank=self.spec.max_lora_rank,
-                                        dtype=self.dtype)
+                                        dtype=self.dtype, roots=self.roots)
         except LoraplexRequestError as exc:
             return EngineFailure(code=exc.code, message=str(exc), subject=name)
         except OSError as exc:

@@ -1,8 +1,8 @@
 """What every child process the daemon starts from gpu_engine shares: its
-command line (`--endpoint --spec --heartbeat-fd`), dying with the daemon
-(PDEATHSIG) under a process name that says its role, heartbeats, signal
-handling, and one DEALER socket on which a start failure is reported as a
-fatal `engine_failure` before exiting.
+command line (`--endpoint --spec --heartbeat-fd`), dying with the daemon (after
+unlinking the shared memory it created) under a process name that says its
+role, heartbeats, signal handling, and one DEALER socket on which a start
+failure is reported as a fatal `engine_failure` before exiting.
 
 Used by the engine (`loraplex-engine`) and the cache manager
 (`loraplex-cache-manager`); each brings a `start(spec)` and a `serve(...)`.
@@ -27,6 +27,7 @@ from loraplex.gpu_engine.runtime import EngineSpec
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.heartbeat import HEARTBEAT_FD_FLAG, start_beating
 from loraplex.ipc.protocol import EngineFailure
+from loraplex.ipc.shm import unlink_owned
 from loraplex.ipc.socket_options import DEFAULT_SOCKET_LIMITS
 from loraplex.ipc.sockets import TypedSocket, make_dealer
 from loraplex.lifetime import die_with_parent
@@ -46,7 +47,7 @@ def run_child(role: str, what: str, argv: list[str] | None, start: Callable[[Eng
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"{role} %(levelname)s %(message)s", stream=sys.stderr)
     log = logging.getLogger(role)
-    die_with_parent(role)
+    die_with_parent(role, on_parent_death=unlink_owned)  # a SIGKILLed daemon leaves no segment of ours behind
     if args.heartbeat_fd is not None:
         start_beating(args.heartbeat_fd)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

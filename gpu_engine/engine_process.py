@@ -23,6 +23,7 @@ from loraplex.gpu_engine.lora.peft_adapter import HostAdapter, load_peft_adapter
 from loraplex.gpu_engine.malloc_arenas import bound_malloc_arenas
 from loraplex.gpu_engine.runtime import EngineRuntime, EngineSpec, build_runtime
 from loraplex.gpu_engine.store_reader import StoreReader
+from loraplex.ipc.adapter_files import allow_also
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
     EngineAdapterLoaded,
@@ -122,9 +123,12 @@ class EngineServer:
         self.demo = demo
         self.resources = resources
         self.stores = StoreReader(pin=runtime.executor.device.type == "cuda")  # the cache manager's store
+        self.roots = runtime.spec.adapter_roots  # where adapter files may resolve (server.adapter_dirs)
 
     def serve(self) -> None:
-        self.sock.send(hello_for(self.runtime, self.demo, self.resources))
+        hello = hello_for(self.runtime, self.demo, self.resources)
+        self.roots = allow_also(self.roots, hello.demo_adapters.values())  # the demo's own adapters are allowed
+        self.sock.send(hello)
         while True:
             msg = self.sock.recv().message
             if isinstance(msg, EngineShutdown):
@@ -161,11 +165,12 @@ class EngineServer:
         try:
             if msg.store_entry is not None:  # weights already in the cache manager's store: view them
                 adapter = self.stores.adapter(msg.name, msg.path, msg.store_segment, msg.store_entry,
-                                              self.runtime.config, max_lora_rank=self.runtime.spec.max_lora_rank)
+                                              self.runtime.config, max_lora_rank=self.runtime.spec.max_lora_rank,
+                                              roots=self.roots)
             else:
                 adapter = load_peft_adapter(msg.name, msg.path, self.runtime.config,
                                             max_lora_rank=self.runtime.spec.max_lora_rank,
-                                            dtype=executor.pool.data.dtype)
+                                            dtype=executor.pool.data.dtype, roots=self.roots)
         except LoraplexRequestError as exc:
             return EngineFailure(code=exc.code, message=str(exc), subject=msg.name)
         except OSError as exc:

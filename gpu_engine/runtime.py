@@ -18,6 +18,7 @@ from loraplex.gpu_engine.lora.backend import LORA_BACKENDS
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.weights import LOAD_FORMATS, load_weights, random_weights
 from loraplex.gpu_engine.pool import UnifiedPool
+from loraplex.ipc.adapter_files import resolve_roots
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_POOL_BYTES = 512 << 20
@@ -48,6 +49,12 @@ class EngineSpec:
     replica: int = 0  # which of the daemon's engines this is: `cuda` means GPU (replica mod GPU count)
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (effective on CUDA with lora_backend=triton)
     max_num_seqs: int = DEFAULT_GRAPH_BATCH  # the largest decode batch: the largest graph bucket
+    adapter_dirs: tuple[str, ...] = ()  # server.adapter_dirs: every adapter file must resolve inside (empty: anywhere)
+
+    @property
+    def adapter_roots(self) -> tuple[str, ...]:
+        """adapter_dirs resolved (symlinks, `~`), as adapter files are checked against them."""
+        return resolve_roots(self.adapter_dirs)
 
     def resolved(self) -> EngineSpec:
         """Replace the `auto` values by what this machine supports; validate the rest."""
@@ -83,7 +90,7 @@ class EngineSpec:
         if mode not in ("cached", "on_demand", "cpu_assist"):
             raise ValueError(f"adapter_load_mode must be auto, cached, on_demand or cpu_assist, got {mode!r}")
         return dataclasses.replace(self, model=model, device=device, dtype=dtype, lora_backend=backend,
-                                   adapter_load_mode=mode)
+                                   adapter_load_mode=mode, adapter_dirs=tuple(self.adapter_dirs))
 
 
 @dataclass(slots=True)

@@ -64,9 +64,10 @@ class StoreReader:
         self.source: dict[str, str] = {}  # adapter name -> segment its weights are viewed from
 
     def adapter(self, name: str, path: str, segment: str, entry: StoreEntry, model: ModelConfig, *,
-                max_lora_rank: int) -> HostAdapter:
-        """The adapter's spec from its adapter_config.json, its weights as views of `entry`."""
-        spec = read_adapter_spec(path, model, max_lora_rank)
+                max_lora_rank: int, roots: tuple[str, ...] = ()) -> HostAdapter:
+        """The adapter's spec from its adapter_config.json (read inside `roots`), its weights as views
+        of `entry`."""
+        spec = read_adapter_spec(path, model, max_lora_rank, roots)
         if entry.rank != spec.rank or tuple(entry.module_names) != spec.targets or entry.num_layers != model.num_layers:
             raise AdapterError(f"adapter {name}: store entry (rank {entry.rank}, {entry.module_names}) does not "
                                f"match {path} (rank {spec.rank}, {list(spec.targets)})")

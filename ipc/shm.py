@@ -42,6 +42,11 @@ _NAME = re.compile(r"/[A-Za-z0-9][A-Za-z0-9._-]{0,240}")
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
+# Names this process created and has not unlinked yet: what it removes when its parent dies
+# (unlink_owned, called by loraplex.lifetime's watcher), so a SIGKILLed daemon leaves nothing behind.
+_OWNED: dict[str, int] = {}  # name -> creating pid (a forked child inherits the map, not the ownership)
+
+
 class ShmError(OSError):
     """A segment cannot be created, attached or used (no space, missing, not ours, not owner)."""
 
@@ -277,6 +282,7 @@ class SharedSegment:
                 pass
             raise
         os.close(fd)  # the mapping keeps the memory; mmap holds its own descriptor
+        _OWNED[name] = os.getpid()
         return cls(name, mm, size, owner=True, readonly=False)
 
     @classmethod
@@ -359,6 +365,7 @@ class SharedSegment:
         if self._unlinked:
             return
         self._unlinked = True
+        _OWNED.pop(self._name, None)
         try:
             _shm_unlink(self._name)
         except FileNotFoundError:
@@ -414,6 +421,17 @@ def unlink_segment(name: str) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def unlink_owned() -> list[str]:
+    """Unlink every segment this process created and still owns (its parent died: nobody will
+    sweep them before the next start); returns their names. Safe from any thread."""
+    removed = []
+    me = os.getpid()
+    for name, pid in list(_OWNED.items()):
+        if pid == me and _OWNED.pop(name, None) is not None and unlink_segment(name):
+            removed.append(name)
+    return removed
 
 
 def list_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:

@@ -119,7 +119,9 @@ def ipc_path(endpoint: str) -> Path | None:
     return Path(rest)
 
 
-def _is_listening(path: Path) -> bool:
+def is_listening(path: Path) -> bool:
+    """Whether a process accepts connections on the Unix socket `path` (False: none, or no file).
+    EndpointInUse when that cannot be told."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(0.5)
     try:
@@ -154,7 +156,7 @@ def prepare_ipc_bind(endpoint: str) -> Path | None:
         return path
     if not stat.S_ISSOCK(info.st_mode):
         raise EndpointInUse(errno.EEXIST, f"{path} exists and is not a socket; refusing to replace it")
-    if _is_listening(path):
+    if is_listening(path):
         raise EndpointInUse(errno.EADDRINUSE, f"another process is listening on {path}")
     path.unlink(missing_ok=True)
     return path

@@ -241,8 +241,13 @@ def _configure_adapters(parser: argparse.ArgumentParser) -> None:
     _runtime_dir_arg(parser)
     parser.add_argument("--state-dir", type=Path, default=None,
                         help="registry location used when no daemon is running")
+    parser.add_argument("--model", default=None,
+                        help="with no daemon running: the base model whose adapters these are (default: the "
+                             "configured model.model, else the built-in demo); the registry keeps each model's apart")
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    sub.add_parser("list", help="list registered adapters")
+    lister = sub.add_parser("list", help="list registered adapters")
+    lister.add_argument("--tier", choices=("gpu", "host", "disk"), default=None,
+                        help="only the adapters in this tier of a running daemon (GPU pool, host store, on disk)")
     add = sub.add_parser("add", help="register an adapter (PEFT directory)")
     add.add_argument("name")
     add.add_argument("path", type=Path)
@@ -256,28 +261,43 @@ def _configure_adapters(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_adapters(args: argparse.Namespace) -> int:
-    """Through the running daemon's admin socket; with no daemon, straight on the registry."""
+    """Through the running daemon's admin socket; straight on the registry only when no daemon
+    listens in the runtime directory. A daemon that listens but does not answer (starting, or
+    busy) is an error: writing the registry behind its back would go unseen or wedge its next start."""
     from loraplex.ipc.client import AdminClient, LoraplexError
     from loraplex.ipc.errors import ProtocolError
+    from loraplex.ipc.leftovers import daemon_listening
+    from loraplex.ipc.runtime_dir import default_runtime_dir
 
+    runtime_dir = args.runtime_dir if args.runtime_dir is not None else default_runtime_dir()
+    if not daemon_listening(runtime_dir):
+        return _adapters_via_registry(args)
     try:
-        with AdminClient(runtime_dir=args.runtime_dir) as admin:
-            admin.ping(timeout=2.0)
+        with AdminClient(runtime_dir=runtime_dir) as admin:
+            admin.ping(timeout=ADMIN_PING_TIMEOUT_S)
             return _adapters_via_daemon(admin, args)
     except LoraplexError as exc:
-        if exc.code.value != "unavailable":
+        if exc.code.value in ("unavailable", "timeout"):
+            print(f"loraplex adapters: error: a daemon listens in {runtime_dir} but did not answer ({exc}); it may "
+                  "be starting or busy. The registry was not changed: retry, or stop the daemon first",
+                  file=sys.stderr)
+        else:
             print(f"loraplex adapters: error: {exc}", file=sys.stderr)
-            return 1
+        return 1
     except ProtocolError as exc:  # refused before sending, e.g. a name like '../x'
         print(f"loraplex adapters: error: {exc}", file=sys.stderr)
         return 1
-    return _adapters_via_registry(args)
+
+
+ADMIN_PING_TIMEOUT_S = 5.0
 
 
 def _adapters_via_daemon(admin, args: argparse.Namespace) -> int:
     if args.action == "list":
         for a in admin.adapters():
-            print(f"{a.name}\trank={a.rank}\t{a.state}\t{a.path}")
+            tier = a.extra.get("tier")
+            if args.tier is None or tier == args.tier:
+                print(f"{a.name}\trank={a.rank}\t{a.state}\t{tier or '-'}\t{a.path}")
     elif args.action == "add":
         detail = admin.add_adapter(args.name, str(args.path.resolve()), replace=args.replace)
         if args.replace:
@@ -294,15 +314,29 @@ def _adapters_via_daemon(admin, args: argparse.Namespace) -> int:
 
 
 def _adapters_via_registry(args: argparse.Namespace) -> int:
-    from loraplex.daemon.config import default_state_dir
+    from loraplex.daemon.config import ConfigError, default_state_dir, load_config
+    from loraplex.daemon.model_scope import ModelScopeError, model_scope
     from loraplex.daemon.registry import AdapterRegistry, RegistryError
 
     state_dir = args.state_dir or default_state_dir()
     try:
-        with AdapterRegistry(state_dir / "registry.sqlite3") as registry:
+        model = args.model if args.model is not None else load_config(None).model.model
+        scope = model_scope(model)
+    except (ConfigError, ModelScopeError, OSError) as exc:
+        print(f"loraplex adapters: error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        with AdapterRegistry(state_dir / "registry.sqlite3", model=scope) as registry:
             if args.action == "list":
+                if args.tier is not None:
+                    print("loraplex adapters: error: --tier needs a running daemon", file=sys.stderr)
+                    return 1
                 for r in registry.list():
-                    print(f"{r.name}\trank={r.rank or '?'}\tregistered\t{r.path}")
+                    print(f"{r.name}\trank={r.rank or '?'}\tregistered\t-\t{r.path}")
+                others = registry.count_other_models()
+                if others:
+                    print(f"({others} more registered for other base models or not yet claimed by one; "
+                          f"this is {model or 'the built-in demo'}, scope {scope})", file=sys.stderr)
             elif args.action == "add":
                 if not (args.path / "adapter_config.json").is_file():
                     print(f"loraplex adapters: error: {args.path} has no adapter_config.json", file=sys.stderr)
@@ -389,6 +423,28 @@ def _run_pause(args: argparse.Namespace, paused: bool) -> int:
         return 1
     print("scheduling paused: requests queue up until `loraplex resume`" if paused else "scheduling resumed")
     return 0
+
+
+def _run_cleanup(args: argparse.Namespace) -> int:
+    """Remove what a daemon that died without stopping left: socket files and its shared memory."""
+    from loraplex.ipc.leftovers import DaemonRunning, clean_runtime_dir
+    from loraplex.ipc.runtime_dir import default_runtime_dir
+
+    runtime_dir = args.runtime_dir if args.runtime_dir is not None else default_runtime_dir()
+    try:
+        done = clean_runtime_dir(runtime_dir)
+    except (DaemonRunning, OSError) as exc:
+        print(f"loraplex cleanup: error: {exc}", file=sys.stderr)
+        return 1
+    for path in done.sockets:
+        print(f"removed socket\t{path}")
+    for name in done.segments:
+        print(f"removed shared memory\t{name}")
+    for name in done.kept:
+        print(f"kept shared memory\t{name}\t(its owner process still runs)")
+    if not (done.sockets or done.segments or done.kept):
+        print(f"nothing left behind in {runtime_dir}")
+    return 1 if done.kept else 0
 
 
 def _configure_keys(parser: argparse.ArgumentParser) -> None:
@@ -490,6 +546,8 @@ COMMANDS: dict[str, Command] = {
                         run=_run_adapters),
     "stats": Command(help="a summary of the daemon's metrics (--json: the whole document)", configure=_configure_stats,
                      run=_run_stats),
+    "cleanup": Command(help="remove the sockets and shared memory a killed daemon left in its runtime directory "
+                            "(refused while a daemon serves there)", configure=_runtime_dir_arg, run=_run_cleanup),
     "keys": Command(help="CURVE key pairs for the tcp listener (server.tcp_curve_*) and its clients",
                     configure=_configure_keys, run=_run_keys),
     "policy": Command(help="show or switch the scheduler, cache policy or engine router of the running daemon",

@@ -41,6 +41,12 @@ class AdapterRankError(AdapterError):
     code = "invalid_adapter"
 
 
+class ForbiddenAdapterPathError(AdapterError):
+    """An adapter file resolves outside the allowed adapter directories (server.adapter_dirs)."""
+
+    code = "forbidden_path"
+
+
 class CapacityError(LoraplexRequestError):
     """The request can never fit in the memory pool, even alone."""
 

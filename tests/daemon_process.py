@@ -48,6 +48,8 @@ class DaemonProcess:
                 except LoraplexError:
                     pass
             time.sleep(0.2)
+        self.proc.kill()  # never leave a daemon that did not come up running behind the test
+        self.proc.wait()
         raise TimeoutError(f"daemon did not come up:\n{self.log()}")
 
     def client(self) -> Client:

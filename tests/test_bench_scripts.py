@@ -156,3 +156,16 @@ def test_flood_gap_json(cache: Path) -> None:
     assert report["flooded"]["flood"]["codes"] == {"prompt_too_long": 4}
     assert report["daemon"]["healthy_after"] and report["daemon"]["exit_status"] == 0
     assert report["env"]["cpu_count"] >= 1 and positive(report["daemon"]["rss_mib_after_flood"])
+
+@pytest.mark.slow  # four daemon start-ups: ~30 s on a busy 2-core host
+def test_many_adapters_small_json(cache: Path) -> None:
+    report = run_json("many_adapters.py", ["--small"], cache)
+    assert [r["n"] for r in report["results"]] == report["config"]["counts"]
+    for r in report["results"]:
+        assert r["adds_timed"] >= 1 and positive(r["add_ms"]["p50"]) and r["add_ms"]["p99"] >= r["add_ms"]["p50"]
+        assert positive(r["list_ms"]["median"]) and positive(r["ready_s"]["median"])
+        assert all(positive(v) for v in r["rss_mib"]["at_ready"].values())
+        assert positive(r["ttft_ms"]["cold_median"]) and positive(r["ttft_ms"]["warm_median"])
+        assert set(r["ttft_ms"]["cold_tiers"]) <= {"gpu", "host", "disk"}
+        counts = r["adapter_counts"]
+        assert counts["total"] == r["n"] and sum(counts["tiers"].values()) == r["n"] and counts["error"] == 0

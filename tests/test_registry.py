@@ -1,6 +1,7 @@
 """Adapter registry: CRUD with stable error codes, persistence across reopen and
-across processes (SQLite WAL), a private state directory, and adapter paths that
-cannot escape the allowed roots through symlinks."""
+across processes (SQLite WAL), a private state directory, adapter paths that
+cannot escape the allowed roots through symlinks, one scope per base model (and
+the migration of an unscoped schema-1 registry), recorded identities and uses."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from loraplex.daemon.registry import (
+    MIGRATIONS,
     SCHEMA_VERSION,
     AdapterRecord,
     AdapterRegistry,
@@ -129,7 +131,7 @@ def test_persists_across_reopen(db_path: Path) -> None:
         before = reg.list()
     with AdapterRegistry(db_path) as reg:
         assert reg.list() == before
-        assert reg.schema_version == SCHEMA_VERSION == 1
+        assert reg.schema_version == SCHEMA_VERSION == 2
         assert reg.get("a") == AdapterRecord("a", "/a", 8, ("q_proj",), True, before[0].added_at, "flag")
 
 
@@ -263,3 +265,85 @@ def test_symlinked_root_is_resolved_too(tmp_path: Path) -> None:
 def test_registry_error_codes_are_checked() -> None:
     with pytest.raises(ValueError, match="unknown registry error code"):
         RegistryError("bogus", "x")
+
+
+# ---- scopes by base model (issue 20 point 6) ------------------------------------------------
+
+
+def test_each_model_sees_only_its_own_adapters(db_path: Path) -> None:
+    with AdapterRegistry(db_path, model="llama-aaaa") as a, AdapterRegistry(db_path, model="qwen2-bbbb") as b:
+        a.add("shared-name", "/a/x", rank=8)
+        b.add("shared-name", "/b/x", rank=16)  # the same name is free in another scope
+        b.add("only-b", "/b/y")
+        assert [(r.name, r.path) for r in a.list()] == [("shared-name", "/a/x")]
+        assert [r.name for r in b.list()] == ["only-b", "shared-name"]
+        assert a.get("only-b") is None and a.count_other_models() == 2
+        b.remove("shared-name")
+        assert a.get("shared-name").path == "/a/x"  # type: ignore[union-attr]
+        with pytest.raises(RegistryError) as err:
+            a.set_pinned("only-b", True)
+        assert err.value.code == "not_found"
+
+
+def test_a_schema_1_registry_is_migrated_unscoped_and_claimed_by_name(db_path: Path) -> None:
+    """The rows of an old registry keep everything, belong to no model, and move into a model's
+    scope one by one when claimed (the daemon claims those whose files load on its model)."""
+    db_path.parent.mkdir(mode=0o700)
+    con = sqlite3.connect(db_path)
+    con.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    con.execute("INSERT INTO schema_version VALUES (1)")
+    for statement in MIGRATIONS[0]:
+        con.execute(statement)
+    con.execute("INSERT INTO adapters VALUES ('old', '/srv/old', 8, '[\"q_proj\"]', 1, 12.5, 'cli')")
+    con.execute("INSERT INTO adapters VALUES ('clash', '/srv/clash', NULL, '[]', 0, 13.5, 'admin')")
+    con.commit()
+    con.close()
+    with AdapterRegistry(db_path, model="llama-aaaa") as reg:
+        assert reg.schema_version == SCHEMA_VERSION and reg.list() == []
+        old = next(r for r in reg.unscoped() if r.name == "old")
+        assert (old.path, old.rank, old.target_modules, old.pinned, old.added_at, old.source) == (
+            "/srv/old", 8, ("q_proj",), True, 12.5, "cli")
+        reg.add("clash", "/mine/clash")
+        assert reg.claim("clash") is None  # this model has its own: the unscoped one stays for another
+        assert reg.claim("old") == old and reg.get("old") == old and reg.claim("old") is None
+        assert [r.name for r in reg.unscoped()] == ["clash"]
+    with AdapterRegistry(db_path) as unscoped:  # the view of no model: what nobody claimed yet
+        assert [r.name for r in unscoped.list()] == ["clash"] and unscoped.claim("clash") is None
+
+
+def test_identity_and_use_counts_are_recorded(reg: AdapterRegistry) -> None:
+    reg.add("a", "/a", content_hash="ab" * 32, fingerprint="adapter_config.json:10:5")
+    reg.record_identity("a", "cd" * 32, "adapter_config.json:11:6")
+    reg.record_identity("missing", "ef" * 32, "")  # a name not registered here: nothing happens
+    reg.add_uses({"a": 3, "missing": 4})
+    reg.add_uses({"a": 2})
+    rec = reg.get("a")
+    assert (rec.content_hash, rec.fingerprint, rec.uses) == ("cd" * 32, "adapter_config.json:11:6", 5)
+    assert reg.add("a", "/b", replace=True).uses == 5  # a new path keeps the history
+
+
+def test_model_scope_follows_the_architecture_not_the_path(tmp_path: Path, monkeypatch) -> None:
+    import json
+
+    from loraplex.daemon.model_scope import ModelScopeError, model_scope
+
+    config = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 688,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1024, "rope_theta": 1e4}
+    for name, cfg in (("a", config), ("moved", {**config, "rope_theta": 5e5, "torch_dtype": "bfloat16"}),
+                      ("wider", {**config, "hidden_size": 512})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+    assert model_scope(tmp_path / "a") == model_scope(tmp_path / "moved")  # fit-irrelevant fields differ
+    assert model_scope(tmp_path / "a") != model_scope(tmp_path / "wider")
+    assert model_scope(tmp_path / "a").startswith("llama-")
+    monkeypatch.setenv("LORAPLEX_DEMO", "random")
+    assert model_scope(None) == "demo-random"
+    with pytest.raises(ModelScopeError, match="no config.json"):
+        model_scope(tmp_path)
+
+
+def test_a_replace_without_identity_keeps_the_recorded_one_for_the_same_path(reg: AdapterRegistry) -> None:
+    reg.add("a", "/a", content_hash="ab" * 32, fingerprint="adapter_config.json:10:5")
+    assert reg.add("a", "/a", replace=True, source="flag").content_hash == "ab" * 32  # every start's --adapter
+    moved = reg.add("a", "/elsewhere", replace=True, source="flag")
+    assert (moved.content_hash, moved.fingerprint) == ("", "")  # other files: read them again
