@@ -67,7 +67,7 @@ class StoreReader:
                 max_lora_rank: int, roots: tuple[str, ...] = ()) -> HostAdapter:
         """The adapter's spec from its adapter_config.json (read inside `roots`), its weights as views
         of `entry`."""
-        spec = read_adapter_spec(path, model, max_lora_rank, roots)
+        spec = read_adapter_spec(path, model, max_lora_rank, roots, name=name)
         if entry.rank != spec.rank or tuple(entry.module_names) != spec.targets or entry.num_layers != model.num_layers:
             raise AdapterError(f"adapter {name}: store entry (rank {entry.rank}, {entry.module_names}) does not "
                                f"match {path} (rank {spec.rank}, {list(spec.targets)})")

@@ -71,8 +71,10 @@ def test_token_outside_vocabulary(llm, baseline, bad_token):
 def test_rank_above_max_lora_rank(demo, tmp_path):
     engine = LLM(demo.model_dir, num_pages=64, max_lora_rank=16)
     engine.add_adapter("ok", demo.adapters["attn-r16"])
-    with pytest.raises(AdapterRankError, match="max_lora_rank=16"):
+    with pytest.raises(AdapterRankError, match="max_lora_rank=16") as refused:
         engine.add_adapter("big", demo.adapters["all-r32"])
+    # errors name the adapter as it was registered, not its directory
+    assert str(refused.value).startswith("adapter big:") and "all-r32" not in str(refused.value)
     assert engine.adapters() == ["ok"]
 
 

@@ -200,7 +200,8 @@ def test_another_base_model_sees_none_of_these_adapters(daemon, root, allowed):
 
 def test_a_drain_that_times_out_exits_3_and_names_what_it_failed(daemon):
     with daemon.client() as client:
-        stream = client.stream([5, 6, 7], max_tokens=100_000, ignore_eos=True, request_id="long-one", timeout=60)
+        # max_tokens unset: the whole context is left to fill, far more than the drain waits for
+        stream = client.stream([5, 6, 7], max_tokens=None, ignore_eos=True, request_id="long-one", timeout=60)
         next(iter(stream))  # running
         with _admin(daemon) as admin:
             admin.drain(0.05)

@@ -32,9 +32,11 @@ def test_short_soak_leaks_no_fds_or_segments(demo):
     report = soak("--clients", "2", "--minutes", "0.08", "--max-tokens", "4", "--reconnect-every", "2",
                   "--sample-s", "0.5", "--settle-s", "1", timeout=240)
     m = report["metrics"]
-    assert report["requests"]["total"] >= 2
+    assert report["requests"]["total"] >= 20  # >= 10 new connections: a leak per connection would show
     assert m["shm_segments"]["initial"] == m["shm_segments"]["end"] == m["shm_segments"]["max"]
-    assert m["fds"]["end"] <= m["fds"]["initial"] + 2, m["fds"]  # one-time lazy opens, not one per request
+    # one-time lazy opens after ready (the children's background work: the host tier's warm-up,
+    # their parent watchers), not one per request or connection
+    assert m["fds"]["end"] <= m["fds"]["initial"] + 4, m["fds"]
     assert m["processes"]["end"] == m["processes"]["initial"]
 
 

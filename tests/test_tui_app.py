@@ -364,3 +364,26 @@ def test_cli_top_reports_an_unusable_runtime_dir(tmp_path, capsys):
 
     assert main(["top", "--runtime-dir", str(tmp_path / ("x" * 120))]) == 2
     assert "longer than" in capsys.readouterr().err
+
+
+def test_many_registered_adapters_show_as_tier_counts_not_repeated_full_lists():
+    """At 10,000 registered adapters each full listing costs the daemon's loop: the console shows
+    the tier counts from the stats document and fetches the list again only after an action."""
+    admin = FakeAdmin()
+
+    async def scenario(app, pilot, feed):
+        big = {**base_snapshot(), "adapter_counts": {"total": 10_000, "registered": 9_000, "ready": 998, "error": 2,
+                                                     "tiers": {"gpu": 12, "host": 988, "disk": 9_000}}}
+        await feed_snapshots(pilot, feed, [big])
+        await settle(pilot, lambda: app.view().adapters is not None)  # the first list still comes
+        calls = admin.list_calls
+        for _ in range(3):
+            app._poll_adapters()
+            await pilot.pause(0.05)
+        assert admin.list_calls == calls
+        text = panel(app, "cache")
+        assert "gpu 12  host 988" in text  # the whole line: test_tui_panels
+        app._poll_adapters(force=True)
+        await settle(pilot, lambda: admin.list_calls == calls + 1)
+
+    run(scenario, admin=admin)

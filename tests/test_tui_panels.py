@@ -58,6 +58,16 @@ def test_cache_panel_bar_hit_rate_evictions_and_adapters():
         assert needle in text, needle
 
 
+def test_cache_panel_summarises_registered_adapters_by_tier():
+    counts = {"total": 10_000, "registered": 9_000, "ready": 998, "error": 2,
+              "tiers": {"gpu": 12, "host": 988, "disk": 9_000}}
+    text = render("cache", live({**full_snapshot(), "adapter_counts": counts}), width=70)
+    assert "gpu 12  host 988  disk 9000  err 2" in text
+    healthy = render("cache", live({**full_snapshot(), "adapter_counts": {**counts, "error": 0}}), width=70)
+    assert "disk 9000" in healthy and "err" not in healthy
+    assert "disk" not in render("cache", live(full_snapshot()), width=70)  # an older daemon: no line
+
+
 def test_pcie_panel_rates_link_share_and_purposes():
     snaps = [full_snapshot(uptime=100.0 + i) for i in range(5)]
     for i, s in enumerate(snaps):

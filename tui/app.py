@@ -23,6 +23,7 @@ from textual.widgets import Footer
 from loraplex.ipc.errors import LoraplexError
 from loraplex.tui.actions import ACTIONS, AdminAction, AdminApi
 from loraplex.tui.feed import Disconnected, Feed, FeedEvent, Snapshot
+from loraplex.tui.format import dig, num
 from loraplex.tui.help import HelpScreen
 from loraplex.tui.history import History
 from loraplex.tui.modals import ActionForm, Confirm
@@ -33,6 +34,9 @@ from loraplex.tui.view import Link, View
 WIDE_COLUMNS = 150  # from this terminal width up the grid has three columns
 TALL_ROWS = 36  # below this terminal height panels drop their side and bottom borders
 ADMIN_POLL_TIMEOUT_S = 2.0
+# Above this many registered adapters (stats.adapter_counts.total) the full admin list is fetched only
+# after an action, not every poll: at 10,000 names each listing costs the daemon's loop ~0.3 s.
+LIST_POLL_MAX_ADAPTERS = 256
 
 
 class LoraplexTop(App[None]):
@@ -158,7 +162,10 @@ class LoraplexTop(App[None]):
         """Age and link state move with time even when no snapshot arrives."""
         self._health.show(self.view())
 
-    def _poll_adapters(self) -> None:
+    def _poll_adapters(self, *, force: bool = False) -> None:
+        total = num(dig(self._stats, "adapter_counts", "total"))
+        if not force and self._adapters is not None and total is not None and total > LIST_POLL_MAX_ADAPTERS:
+            return  # the cache panel shows the tier counts; names come after an action
         if self.admin is not None and not self._polling and not self._closed:
             self._polling = True
             self.run_worker(self._fetch_adapters(self.admin), name="adapter list", group="admin-poll")
@@ -222,7 +229,7 @@ class LoraplexTop(App[None]):
                         severity="error", timeout=10)
             return
         self.notify(escape(action.done(values, detail)), title=action.title, timeout=5)
-        self._poll_adapters()
+        self._poll_adapters(force=True)
 
     async def action_quit(self) -> None:
         await self.close_connections()

@@ -81,10 +81,12 @@ def _read_config(path: Path, roots: tuple[str, ...]) -> dict:
 
 
 def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int,
-                      roots: tuple[str, ...] = ()) -> AdapterSpec:
+                      roots: tuple[str, ...] = (), name: str | None = None) -> AdapterSpec:
     """The adapter's LoRA settings from its adapter_config.json; `roots`: the allowed directories
-    (resolved, ipc.adapter_files.resolve_roots; empty = anywhere)."""
+    (resolved, ipc.adapter_files.resolve_roots; empty = anywhere). Errors name the adapter by its
+    registered `name` (default: its directory's name)."""
     path = Path(path)
+    label = name or path.name
     raw = _read_config(path, roots)
     if raw.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"unsupported peft_type {raw.get('peft_type')!r}: only LORA adapters are served")
@@ -100,24 +102,24 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int,
     }
     for key, (bad, why) in refusals.items():
         if key in raw and bad(raw[key]):
-            raise AdapterError(f"adapter {path.name}: {why} ({key}={raw[key]!r})")
+            raise AdapterError(f"adapter {label}: {why} ({key}={raw[key]!r})")
     rank = raw.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
-        raise AdapterError(f"adapter {path.name}: r must be a positive integer, got {rank!r}")
+        raise AdapterError(f"adapter {label}: r must be a positive integer, got {rank!r}")
     if rank > max_lora_rank:
-        raise AdapterRankError(f"adapter {path.name}: rank {rank} exceeds max_lora_rank={max_lora_rank}")
+        raise AdapterRankError(f"adapter {label}: rank {rank} exceeds max_lora_rank={max_lora_rank}")
     alpha = raw.get("lora_alpha", rank)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise AdapterError(f"adapter {path.name}: lora_alpha must be a finite number, got {alpha!r}")
+        raise AdapterError(f"adapter {label}: lora_alpha must be a finite number, got {alpha!r}")
     targets = raw.get("target_modules")
     if isinstance(targets, str):
         # A regex over full module names: the tensors in the file say which modules it matched.
         targets = sorted(_modules_in_file(path, roots))
     if not isinstance(targets, list) or not targets:
-        raise AdapterError(f"adapter {path.name}: target_modules must be a non-empty list")
+        raise AdapterError(f"adapter {label}: target_modules must be a non-empty list")
     unknown = sorted(set(targets) - set(TARGETABLE))
     if unknown:
-        raise AdapterError(f"adapter {path.name}: unsupported target modules {unknown}; supported: {list(TARGETABLE)}")
+        raise AdapterError(f"adapter {label}: unsupported target modules {unknown}; supported: {list(TARGETABLE)}")
     ordered = tuple(t for t in TARGETABLE if t in targets)
     return AdapterSpec(rank=rank, alpha=float(alpha), use_rslora=bool(raw.get("use_rslora", False)), targets=ordered)
 
@@ -130,25 +132,25 @@ def _modules_in_file(path: Path, roots: tuple[str, ...]) -> set[str]:
     return {m.group(2) for m in map(_KEY.match, keys) if m is not None}
 
 
-def _check_tensors(path: Path, tensors: dict[str, TensorInfo], spec: AdapterSpec, model: ModelConfig) -> None:
+def _check_tensors(label: str, tensors: dict[str, TensorInfo], spec: AdapterSpec, model: ModelConfig) -> None:
     """Names and shapes from the header against the model, before any tensor is read."""
     shapes = model.module_shapes()
     for key, info in tensors.items():
         m = _KEY.match(key)
         if m is None:
-            raise AdapterError(f"adapter {path.name}: unsupported tensor {key[:160]!r}")
+            raise AdapterError(f"adapter {label}: unsupported tensor {key[:160]!r}")
         layer, module, kind = int(m.group(1)), m.group(2), m.group(3)
         if layer >= model.num_layers or module not in spec.targets:
-            raise AdapterError(f"adapter {path.name}: tensor {key!r} is outside target_modules or the model")
+            raise AdapterError(f"adapter {label}: tensor {key!r} is outside target_modules or the model")
         fan_in, fan_out = shapes[module]
         want = (spec.rank, fan_in) if kind == "A" else (fan_out, spec.rank)
         if info.shape != want:
             raise AdapterError(
-                f"adapter {path.name}: {key} has shape {info.shape}, expected {want} for this base model"
+                f"adapter {label}: {key} has shape {info.shape}, expected {want} for this base model"
             )
 
 
-def _tensor_reader(f: BinaryIO, path: Path) -> Callable[[str], torch.Tensor]:
+def _tensor_reader(f: BinaryIO, label: str) -> Callable[[str], torch.Tensor]:
     """Read tensors of the already opened, checked file: through /proc/self/fd (the same inode,
     so a path swapped meanwhile is never opened), else from its bytes."""
     proc = f"/proc/self/fd/{f.fileno()}"
@@ -160,7 +162,7 @@ def _tensor_reader(f: BinaryIO, path: Path) -> Callable[[str], torch.Tensor]:
         loaded = load_safetensors_bytes(f.read())
         return loaded.__getitem__
     except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise AdapterError(f"adapter {path.name}: cannot read {ADAPTER_WEIGHTS}: {type(e).__name__}") from None
+        raise AdapterError(f"adapter {label}: cannot read {ADAPTER_WEIGHTS}: {type(e).__name__}") from None
 
 
 def load_peft_adapter(name: str, path: str | Path, model: ModelConfig, *, max_lora_rank: int,
@@ -168,32 +170,32 @@ def load_peft_adapter(name: str, path: str | Path, model: ModelConfig, *, max_lo
     """Read, check and convert the adapter at `path`; `roots`: the allowed directories (resolved;
     empty = anywhere). AdapterError (ForbiddenAdapterPathError) names what is wrong."""
     path = Path(path)
-    spec = read_adapter_spec(path, model, max_lora_rank, roots)
+    spec = read_adapter_spec(path, model, max_lora_rank, roots, name=name)
     weights_file = path / ADAPTER_WEIGHTS
     if not os.path.lexists(weights_file):
         if (path / "adapter_model.bin").exists():
-            raise AdapterError(f"adapter {path.name}: adapter_model.bin is a pickle; only safetensors are loaded")
-        raise AdapterError(f"adapter {path.name}: adapter_model.safetensors is missing")
+            raise AdapterError(f"adapter {name}: adapter_model.bin is a pickle; only safetensors are loaded")
+        raise AdapterError(f"adapter {name}: adapter_model.safetensors is missing")
     a: list[dict[str, torch.Tensor]] = [{} for _ in range(model.num_layers)]
     b: list[dict[str, torch.Tensor]] = [{} for _ in range(model.num_layers)]
     try:
         with open_adapter_file(path, ADAPTER_WEIGHTS, roots) as f:
-            tensors = check_safetensors(f, os.fstat(f.fileno()).st_size, f"{ADAPTER_WEIGHTS} of adapter {path.name}")
-            _check_tensors(path, tensors, spec, model)
-            get_tensor = _tensor_reader(f, path)
+            tensors = check_safetensors(f, os.fstat(f.fileno()).st_size, f"{ADAPTER_WEIGHTS} of adapter {name}")
+            _check_tensors(name, tensors, spec, model)
+            get_tensor = _tensor_reader(f, name)
             for key in tensors:
                 m = _KEY.match(key)
                 layer, module, kind = int(m.group(1)), m.group(2), m.group(3)
                 t = get_tensor(key)
                 if not torch.isfinite(t).all():
-                    raise AdapterError(f"adapter {path.name}: {key} holds non-finite values")
+                    raise AdapterError(f"adapter {name}: {key} holds non-finite values")
                 (a if kind == "A" else b)[layer][module] = t.to(dtype).contiguous()
     except AdapterFileError as exc:
         raise _file_error(exc) from None
     except FileNotFoundError:
-        raise AdapterError(f"adapter {path.name}: adapter_model.safetensors is missing") from None
+        raise AdapterError(f"adapter {name}: adapter_model.safetensors is missing") from None
     for layer in range(model.num_layers):
         for module in spec.targets:
             if module not in a[layer] or module not in b[layer]:
-                raise AdapterError(f"adapter {path.name}: layer {layer} {module} lora_A/lora_B missing")
+                raise AdapterError(f"adapter {name}: layer {layer} {module} lora_A/lora_B missing")
     return HostAdapter(name=name, path=path, spec=spec, a=a, b=b)

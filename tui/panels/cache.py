@@ -1,9 +1,11 @@
 """Cache panel: the unified pool split into adapter cache / KV / free pages,
 hit rate, evictions per second and the resident adapters.
 
-Reads pool, cache{hit_rate, evictions_per_s, adapters}, resident_adapters and
-adapter_paths; falls back to the admin adapter list for rank/pages/refs and
-to History for evictions/s when the daemon does not report them.
+Reads pool, cache{hit_rate, evictions_per_s, adapters}, resident_adapters,
+adapter_paths and adapter_counts (registered adapters per tier: gpu, host,
+disk, a summary that stays one line at 10,000 adapters); falls back to the
+admin adapter list for rank/pages/refs and to History for evictions/s when the
+daemon does not report them.
 """
 from __future__ import annotations
 
@@ -61,6 +63,19 @@ def adapter_rows(view: View) -> list[list[str]]:
              fmt_count(dig(known, name, "refs")), MISSING, MISSING] for name in resident]
 
 
+def tier_line(stats: Mapping[str, Any]) -> Text | None:
+    """Where the registered adapters are (gpu / host / disk, summing to all of them) and how many are
+    in error, when the daemon reports adapter_counts; short enough for a narrow panel."""
+    counts = stats.get("adapter_counts")
+    if not isinstance(counts, Mapping):
+        return None
+    tiers = counts.get("tiers") if isinstance(counts.get("tiers"), Mapping) else {}
+    pairs = [(t, fmt_count(tiers.get(t))) for t in ("gpu", "host", "disk")]
+    if num(counts.get("error")):
+        pairs.append(("err", fmt_count(counts.get("error"))))
+    return kv(*pairs)
+
+
 def render_cache(view: View, width: int, height: int) -> RenderableType:
     s = view.stats
     evictions = num(dig(s, "cache", "evictions_per_s"))
@@ -69,6 +84,9 @@ def render_cache(view: View, width: int, height: int) -> RenderableType:
     head = [pool_bar(s, width),
             kv(("hit", fmt_pct(hit_rate(s))), ("evict", fmt_rate(evictions)),
                ("pages", fmt_count(dig(s, "pool", "total"))))]
+    tiers = tier_line(s)
+    if tiers is not None:
+        head.append(tiers)
     for text in head:
         text.no_wrap, text.overflow = True, "ellipsis"
     room = height - len(head)
