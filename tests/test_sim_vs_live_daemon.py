@@ -49,6 +49,16 @@ async def _send_all(daemon: DaemonProcess, events: list[RequestEvent]) -> list[s
     return [r.finish_reason for r in results]
 
 
+def _wait_until_host_warm(daemon: DaemonProcess, timeout_s: float = 60.0) -> None:
+    """Start-up reads no adapter file; the host tier warms in the background. The simulator's
+    adapters are all in host memory from the start, so the live run waits for that too."""
+    deadline = time.monotonic() + timeout_s
+    with daemon.client() as client:
+        while client.stats()["adapter_counts"]["tiers"]["disk"] > 0:
+            assert time.monotonic() < deadline, "the host tier never warmed"
+            time.sleep(0.05)
+
+
 def test_simulator_and_live_daemon_make_the_same_decisions(tmp_path):
     events = _trace(24)
     live_log = tmp_path / "live.jsonl"
@@ -59,6 +69,7 @@ def test_simulator_and_live_daemon_make_the_same_decisions(tmp_path):
                            # so waiting for them would make the decisions follow the clock.
                            env={"LORAPLEX_SCHEDULER_ADMIT_WHEN_LOADED": "false"}).start()
     try:
+        _wait_until_host_warm(daemon)
         assert cli_main(["pause", "--runtime-dir", str(daemon.runtime_dir)]) == 0
         finish = asyncio.run(_send_all(daemon, events))
     finally:
