@@ -130,15 +130,16 @@ def check_graphs(device: str, small: bool) -> dict[str, Any]:
     demo = _demo()
     prompts = _prompts(512, len(ROW_ADAPTERS), int(time.time()))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    tokens, replays = {}, 0
+    tokens, replays, info = {}, 0, {}
     for graphs in (False, True):
         llm = _llm(demo, device, dtype="float32", lora_backend="triton", cuda_graphs=graphs)
         tokens[graphs] = [o.token_ids for o in llm.generate(prompts, adapters=ROW_ADAPTERS, sampling=params)]
         if graphs:
-            replays = llm.executor.graphs.replays
+            replays = getattr(llm.executor.graphs, "replays", 0)  # no runner when capture was refused
+            info = llm.executor.graph_info.as_dict()
     same = sum(a == b for a, b in zip(tokens[False], tokens[True]))
     return {"ok": same == len(prompts) and replays > 0, "rows_identical": same, "rows": len(prompts),
-            "graph_replays": replays}
+            "graph_replays": replays, **info}
 
 
 def _reference(demo, prompts: list[list[int]], names: list[str | None]) -> list[list[int]]:
