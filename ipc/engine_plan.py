@@ -44,7 +44,7 @@ class RowPlan:
 
 @dataclass(frozen=True, slots=True)
 class AdapterPlacement:
-    """Copy adapter `name` from the host store into `pages` (see daemon.memory.geometry)."""
+    """Copy adapter `name` from the host store into `pages` (see loraplex.contracts.geometry)."""
 
     name: str
     pages: list[int]

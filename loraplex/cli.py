@@ -65,7 +65,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     """Offline demo: the built-in model answers each prompt as the base and through every adapter, in one batch."""
     import time
 
-    from loraplex.gpu_engine import LLM, SamplingParams
+    from loraplex import LLM, SamplingParams
     from loraplex.gpu_engine.demo import STYLES, builtin_demo
 
     print("loraplex demo: preparing the built-in demo model ...", file=sys.stderr)

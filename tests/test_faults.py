@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.gpu_engine import LLM, SamplingParams
+from loraplex import LLM, SamplingParams
 from loraplex.ipc.client import LoraplexError
 from tests.daemon_process import SPARES, DaemonProcess
 

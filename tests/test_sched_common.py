@@ -15,8 +15,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.memory.allocator import PageAllocator
-from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.daemon.scheduler.base import BaseScheduler
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.dlora import DloraConfig, DloraScheduler

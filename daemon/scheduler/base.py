@@ -17,10 +17,10 @@ from collections import deque
 from typing import Callable, ClassVar
 from typing import Sequence as Seq
 
+from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.cache.predictor import ArrivalPredictor
 from loraplex.daemon.memory.adapter_residency import AdapterResidency
 from loraplex.daemon.memory.allocator import KV, PageAllocator
-from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.daemon.scheduler.admission import EarlyAbort, SloAdmission
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.estimators import OutputLengthPredictor, StepCostModel

@@ -9,10 +9,10 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
+from loraplex.contracts.names import MAX_NAME_LEN, NAME_RULE, is_valid_name
 from loraplex.ipc.errors import ErrorCode, ProtocolError
 
 MAX_REQUEST_ID_LEN = 128
-MAX_NAME_LEN = 128
 MAX_PATH_LEN = 4096
 # Token ids are int32 in every tokenizer and kernel we feed.
 MAX_TOKEN_ID = 2**31 - 1
@@ -22,21 +22,16 @@ UINT63_MAX = 2**63 - 1
 
 # Printable ASCII without space: safe in logs, file names and the console.
 _REQUEST_ID = re.compile(r"[!-~]{1,%d}" % MAX_REQUEST_ID_LEN)
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,%d}" % MAX_NAME_LEN)
 
 
 def invalid(message: str, code: ErrorCode = ErrorCode.INVALID_FIELD) -> ProtocolError:
     return ProtocolError(code, message)
 
 
-def is_valid_name(name: object) -> bool:
-    """Adapter and policy names: 1..128 chars of [A-Za-z0-9._-], not '.' or '..'."""
-    return isinstance(name, str) and bool(_NAME.fullmatch(name)) and name not in (".", "..")
-
-
 def check_name(field: str, value: str) -> None:
+    """Adapter and policy names (loraplex.contracts.names)."""
     if not is_valid_name(value):
-        raise invalid(f"{field}: must be 1..{MAX_NAME_LEN} chars of [A-Za-z0-9._-] (not '.' or '..'), got {value[:64]!r}")
+        raise invalid(f"{field}: must be {NAME_RULE}, got {value[:64]!r}")
 
 
 def check_request_id(field: str, value: str) -> None:
