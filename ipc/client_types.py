@@ -17,8 +17,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence, TypeVar, Union
 import zmq
 
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
-from loraplex.ipc.messages.client import MAX_DEADLINE_MS
-from loraplex.ipc.protocol import DoneReply, ErrorReply, GenerateRequest, Message, TokenChunk
+from loraplex.ipc.protocol import MAX_DEADLINE_MS, DoneReply, ErrorReply, GenerateRequest, Message, TokenChunk
 from loraplex.ipc.runtime_dir import default_runtime_dir, endpoints
 from loraplex.ipc.socket_options import SocketLimits, ipc_path
 

@@ -15,8 +15,7 @@ from typing import Any
 import msgpack
 
 from loraplex.ipc.errors import ErrorCode, ProtocolError
-from loraplex.ipc.messages.checks import check_request_id
-from loraplex.ipc.protocol import PROTOCOL_VERSION, RESERVED_KEYS, Message, build, message_class
+from loraplex.ipc.protocol import PROTOCOL_VERSION, RESERVED_KEYS, Message, build, check_request_id, message_class
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 

@@ -29,14 +29,9 @@ from loraplex.ipc.messages.base import (
     register,
 )
 from loraplex.ipc.messages.cache import CacheHello, CacheStoreFull
-from loraplex.ipc.messages.checks import (
-    MAX_NAME_LEN,
-    MAX_PATH_LEN,
-    MAX_REQUEST_ID_LEN,
-    MAX_TOKEN_ID,
-    is_valid_name,
-)
+from loraplex.ipc.messages.checks import MAX_PATH_LEN, MAX_REQUEST_ID_LEN, MAX_TOKEN_ID, check_request_id
 from loraplex.ipc.messages.client import (
+    MAX_DEADLINE_MS,
     MAX_NEW_TOKENS,
     MAX_PROMPT_TOKEN_IDS,
     MAX_STOP_STRING_LEN,
@@ -53,6 +48,7 @@ from loraplex.ipc.messages.cpu import (
     CpuCalibrate,
     CpuCalibration,
     CpuJobDone,
+    CpuJobSlice,
     CpuJobSlice,
     CpuLoraJob,
     CpuWorkerFailure,
@@ -109,6 +105,7 @@ __all__ = [
     "CpuCalibration",
     "CpuJobDone",
     "CpuJobSlice",
+    "CpuJobSlice",
     "CpuLoraJob",
     "CpuWorkerFailure",
     "CpuWorkerHello",
@@ -127,9 +124,9 @@ __all__ = [
     "ADMIN_REQUESTS",
     "CLIENT_REQUESTS",
     "FINISH_REASONS",
+    "MAX_DEADLINE_MS",
     "MAX_DRAIN_TIMEOUT_S",
     "MAX_ERROR_MESSAGE_LEN",
-    "MAX_NAME_LEN",
     "MAX_NEW_TOKENS",
     "MAX_PATH_LEN",
     "MAX_PROMPT_TOKEN_IDS",
@@ -161,7 +158,7 @@ __all__ = [
     "StatsRequest",
     "TokenChunk",
     "build",
-    "is_valid_name",
+    "check_request_id",
     "message_class",
     "message_types",
     "register",

@@ -10,7 +10,6 @@ import pytest
 
 from loraplex.ipc.codec import DecodeLimits, decode, encode
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
-from loraplex.ipc.messages.base import Message, register
 from loraplex.ipc.protocol import (
     PROTOCOL_VERSION,
     AdaptersReply,
@@ -38,8 +37,10 @@ from loraplex.ipc.protocol import (
     EngineStep,
     EngineStepDone,
     EngineUnloadAdapter,
+    Message,
     TokenChunk,
     message_types,
+    register,
 )
 from loraplex.ipc.adapter_store import store_entry_layout
 from loraplex.ipc.engine_plan import AdapterPlacement, RowPlan, RowResult, SamplingSpec, StepPlan, StepResult
