@@ -17,7 +17,15 @@ from typing import Any, Callable, Literal, Mapping, Sequence, TypeVar, Union
 import zmq
 
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
-from loraplex.ipc.protocol import MAX_DEADLINE_MS, DoneReply, ErrorReply, GenerateRequest, Message, TokenChunk
+from loraplex.ipc.protocol import (
+    MAX_DEADLINE_MS,
+    DoneReply,
+    ErrorReply,
+    GenerateRequest,
+    Message,
+    PolicyKind,
+    TokenChunk,
+)
 from loraplex.ipc.runtime_dir import default_runtime_dir, endpoints
 from loraplex.ipc.socket_options import SocketLimits, ipc_path
 
@@ -29,7 +37,6 @@ PROBE_ID_PREFIX = "lpx-probe-"
 # What a waiting caller receives: a reply for its request id, or a local failure.
 Item = Union[Message, LoraplexError]
 M = TypeVar("M", bound=Message)
-PolicyKind = Literal["scheduler", "cache", "router"]
 
 
 def new_request_id(prefix: str = REQUEST_ID_PREFIX) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 
 from loraplex.ipc.errors import ErrorCode, ProtocolError
-from loraplex.ipc.protocol import PROTOCOL_VERSION, RESERVED_KEYS, Message, build, check_request_id, message_class
+from loraplex.ipc.protocol import PROTOCOL_VERSION, RESERVED_KEYS, Message, build, is_valid_request_id, message_class
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 
@@ -137,13 +137,7 @@ def _unpack(data: Any, limits: DecodeLimits) -> Any:
 def _request_id_hint(body: dict[Any, Any]) -> str | None:
     """The message's request id if it is readable, so errors can name it."""
     rid = body.get("request_id")
-    if not isinstance(rid, str):
-        return None
-    try:
-        check_request_id("request_id", rid)
-    except ProtocolError:
-        return None
-    return rid
+    return rid if is_valid_request_id(rid) else None
 
 
 def _envelope_class(body: dict[Any, Any]) -> type[Message]:

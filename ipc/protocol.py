@@ -11,6 +11,7 @@ from __future__ import annotations
 from loraplex.ipc.messages.admin import (
     MAX_DRAIN_TIMEOUT_S,
     POLICY_KINDS,
+    PolicyKind,
     AddAdapterRequest,
     AdminOkReply,
     DrainRequest,
@@ -29,7 +30,7 @@ from loraplex.ipc.messages.base import (
     register,
 )
 from loraplex.ipc.messages.cache import CacheHello, CacheStoreFull
-from loraplex.ipc.messages.checks import MAX_PATH_LEN, MAX_REQUEST_ID_LEN, MAX_TOKEN_ID, check_request_id
+from loraplex.ipc.messages.checks import MAX_PATH_LEN, MAX_REQUEST_ID_LEN, MAX_TOKEN_ID, is_valid_request_id
 from loraplex.ipc.messages.client import (
     MAX_DEADLINE_MS,
     MAX_NEW_TOKENS,
@@ -136,6 +137,7 @@ __all__ = [
     "MAX_STOP_TOKEN_IDS",
     "MAX_TOKEN_ID",
     "POLICY_KINDS",
+    "PolicyKind",
     "PROTOCOL_VERSION",
     "RESERVED_KEYS",
     "AdaptersReply",
@@ -158,7 +160,7 @@ __all__ = [
     "StatsRequest",
     "TokenChunk",
     "build",
-    "check_request_id",
+    "is_valid_request_id",
     "message_class",
     "message_types",
     "register",
