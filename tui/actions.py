@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from loraplex.contracts.names import NAME_RULE, is_valid_name
+from loraplex.contracts.names import MAX_NAME_LEN, is_valid_name
 from loraplex.ipc.protocol import MAX_DRAIN_TIMEOUT_S, POLICY_KINDS
 
 Values = dict[str, Any]
@@ -81,7 +81,7 @@ def parse(action: AdminAction, raw: Mapping[str, str]) -> Values:
                 raise ValueError(f"{f.label} must be in (0, {MAX_DRAIN_TIMEOUT_S:g}]")
             values[f.key] = number
         elif f.name and not is_valid_name(text):
-            raise ValueError(f"{f.label} must be {NAME_RULE}")
+            raise ValueError(f"{f.label} must be 1..{MAX_NAME_LEN} characters of A-Z a-z 0-9 . _ -")
         elif f.key == "path":
             values[f.key] = os.path.abspath(os.path.expanduser(text))
         else:
