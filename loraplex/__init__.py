@@ -15,6 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# The serving side is the `engine` extra; these are the modules it brings.
+ENGINE_MODULES = ("torch", "safetensors")
+ENGINE_INSTALL = "pip install 'loraplex[engine]'"
+
 # Names the root hands on lazily: name -> the module that defines it.
 _LAZY = {"LLM": "loraplex.offline", "RequestOutput": "loraplex.offline", "SamplingParams": "loraplex.offline"}
 
@@ -30,6 +34,12 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'loraplex' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ENGINE_MODULES:
+            raise
+        raise ModuleNotFoundError(f"loraplex.{name} needs the engine side ({exc.name} is not installed): "
+                                  f"{ENGINE_INSTALL}", name=exc.name) from exc
     globals()[name] = value  # later lookups skip this hook
     return value
