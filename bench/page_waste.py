@@ -1,4 +1,4 @@
-"""Unified-pool page waste (DESIGN §4) for the demo model, Llama-2-7B and Llama-3-8B dims.
+"""Unified-pool page waste for the demo model, Llama-2-7B and Llama-3-8B dims.
 
 Reports page size, the share of an adapter's pages left empty per rank and target
 set, and the KV waste of partly filled last pages, next to S-LoRA-style pages of

@@ -1,4 +1,4 @@
-"""The CPU protocol end to end without an engine (DESIGN §5): the test plays the
+"""The per-layer CPU protocol end to end without an engine: the test plays the
 engine and the cache manager (exchange and store segments, random adapters,
 ready/done words) against a real CpuWorkerPool of worker processes, and checks
 every out row against a float64 torch reference. Also: a worker killed or

@@ -267,7 +267,7 @@ def test_registry_error_codes_are_checked() -> None:
         RegistryError("bogus", "x")
 
 
-# ---- scopes by base model (issue 20 point 6) ------------------------------------------------
+# ---- scopes by base model -------------------------------------------------------------------
 
 
 def test_each_model_sees_only_its_own_adapters(db_path: Path) -> None:
