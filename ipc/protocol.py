@@ -1,10 +1,11 @@
 """The loraplex wire protocol: every message type, the registry, the version.
 
-The single import point for message classes. Importing it loads every
-declaration module under `loraplex.ipc.messages`, so the registry that
-`codec.decode` consults is complete. Adding a message type is one
-`@register`-ed dataclass in one of those modules (plus its import below when
-the module is new). Holds no I/O and no serving logic.
+The single import point for message classes and their bounds, for every module
+outside `loraplex.ipc.messages`: importing it loads every declaration module
+there, so the registry that `codec.decode` consults is complete whichever
+message a process imported first. Adding a message type is one `@register`-ed
+dataclass in one of those modules, each field declared with its rules (plus its
+import below when the module is new). Holds no I/O and no serving logic.
 """
 from __future__ import annotations
 
