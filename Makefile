@@ -29,21 +29,22 @@ else
 endif
 	touch $@
 
-# Reinstall when the packaging or the native sources change.
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h) $(VENV)/.torch-$(TORCH_VERSION)
-	$(PIP) install -q -e ".[test]" "torch==$(TORCH_VERSION)"
+# The project with one extra: `engine` (the serving side) for run and demo, `test` (engine
+# and the test tools) for the rest. Reinstall when the packaging or the native sources change.
+$(VENV)/.installed-%: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h) $(VENV)/.torch-$(TORCH_VERSION)
+	$(PIP) install -q -e ".[$*]" "torch==$(TORCH_VERSION)"
 	touch $@
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed-test
 
-run: venv
+run: $(VENV)/.installed-engine
 	@echo "loraplex: serving the built-in demo model in the foreground (Ctrl-C drains and stops)."
 	@echo "  In another terminal:  .venv/bin/loraplex generate --adapter upper 'ROMEO:'"
 	@echo "                        (adapters: upper, reverse, amen; without --adapter the base model answers)"
 	@echo "                        .venv/bin/loraplex adapters list;  .venv/bin/loraplex stats"
 	$(PY) -m loraplex.cli serve
 
-demo: venv
+demo: $(VENV)/.installed-engine
 	$(PY) -m loraplex.cli demo
 
 test: venv

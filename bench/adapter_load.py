@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from loraplex.daemon.memory.geometry import PageGeometry, plan_adapter_layout
+from loraplex.contracts.geometry import PageGeometry, plan_adapter_layout
 from loraplex.gpu_engine.adapter_loader import AdapterLoader
 from loraplex.gpu_engine.lora.peft_adapter import AdapterSpec, HostAdapter
 from loraplex.gpu_engine.lora.torch_backend import resident_lora

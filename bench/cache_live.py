@@ -1,4 +1,4 @@
-"""Live GPU-adapter-cache policies on CPU (issue 6): hit rate and TTFT of a real daemon per
+"""Live GPU-adapter-cache policies on CPU: hit rate and TTFT of a real daemon per
 cache policy, under Zipf adapter popularity with ranks 8-128 (Chameleon §5.3).
 
 Writes --adapters random PEFT adapters (all seven projections, ranks drawn uniformly from
@@ -37,8 +37,8 @@ from pathlib import Path
 
 from soak import start_daemon, stop_daemon
 
+from loraplex.contracts.geometry import PageGeometry, plan_adapter_layout
 from loraplex.daemon.cache.policies import POLICY_NAMES
-from loraplex.daemon.memory.geometry import PageGeometry, plan_adapter_layout
 from loraplex.daemon.sim.loadgen import drive
 from loraplex.daemon.sim.metrics import QUANTILES, pct
 from loraplex.daemon.sim.workload import WorkloadSpec, adapter_ranks, generate

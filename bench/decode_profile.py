@@ -1,6 +1,6 @@
 """Decode-step profile of the engine: the cost of unmerged LoRA in a decode step.
 
-Measures (Toppings §5, issue 5):
+Measures (Toppings §5):
 - decode step time of the base model vs the same batch spread over 64 distinct
   adapters (the overhead of serving many adapters at once);
 - decode step times over batch sizes and rank mixes, fitted to
@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.scheduler.fcfs import FcfsScheduler, SchedulerConfig
 from loraplex.daemon.scheduler.sequence import SeqRequest
@@ -38,7 +39,6 @@ from loraplex.gpu_engine.executor import Executor
 from loraplex.gpu_engine.lora.peft_adapter import AdapterSpec, HostAdapter
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.weights import random_weights
-from loraplex.daemon.memory.geometry import PageGeometry
 from model_shapes import add_model_args, resolve_model_args, shape_config
 from loraplex.ipc.engine_plan import SamplingSpec, StepPlan
 

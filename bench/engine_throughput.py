@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from loraplex.gpu_engine import LLM, SamplingParams
+from loraplex import LLM, SamplingParams
 from loraplex.gpu_engine.demo import ensure_demo_model
 
 SINGLE_ADAPTER = "all-r32"  # the demo adapter touching all seven projections

@@ -114,7 +114,7 @@ def _demo():
 
 
 def _llm(demo, device: str, **kw):
-    from loraplex.gpu_engine import LLM
+    from loraplex import LLM
 
     llm = LLM(demo.model_dir, device=device, num_pages=512, max_num_seqs=16, **kw)
     for name, path in demo.adapters.items():
@@ -125,7 +125,7 @@ def _llm(demo, device: str, **kw):
 def check_graphs(device: str, small: bool) -> dict[str, Any]:
     if not device.startswith("cuda"):
         return {"skipped": "CUDA graphs need a CUDA device"}
-    from loraplex.gpu_engine import SamplingParams
+    from loraplex import SamplingParams
 
     demo = _demo()
     prompts = _prompts(512, len(ROW_ADAPTERS), int(time.time()))
@@ -150,7 +150,7 @@ def _reference(demo, prompts: list[list[int]], names: list[str | None]) -> list[
 
 
 def check_peft_offline(device: str, small: bool) -> dict[str, Any]:
-    from loraplex.gpu_engine import SamplingParams
+    from loraplex import SamplingParams
 
     demo = _demo()
     prompts = _prompts(512, len(ROW_ADAPTERS), int(time.time()))

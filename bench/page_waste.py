@@ -1,8 +1,8 @@
-"""Unified-pool page waste (DESIGN §4) for the demo model, Llama-2-7B and Llama-3-8B dims.
+"""Unified-pool page waste for the demo model, Llama-2-7B and Llama-3-8B dims.
 
 Reports page size, the share of an adapter's pages left empty per rank and target
 set, and the KV waste of partly filled last pages, next to S-LoRA-style pages of
-one row width. Pure arithmetic over `loraplex.daemon.memory.geometry`: no weights.
+one row width. Pure arithmetic over `loraplex.contracts.geometry`: no weights.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.daemon.memory.geometry import PageGeometry, adapter_waste, kv_waste, plan_adapter_layout
+from loraplex.contracts.geometry import PageGeometry, adapter_waste, kv_waste, plan_adapter_layout
 from loraplex.gpu_engine.demo import demo_model_config
 from loraplex.gpu_engine.model.config import ModelConfig
 

@@ -23,7 +23,7 @@ from loraplex.ipc.adapter_store import (
     store_segment_size,
 )
 from loraplex.ipc.exchange import STAGE_MODULES, ExchangeLayout
-from loraplex.ipc.messages.cpu import CpuJobSlice
+from loraplex.ipc.protocol import CpuJobSlice
 from loraplex.ipc.shm import Region, SharedSegment
 
 

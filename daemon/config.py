@@ -19,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
-from loraplex.daemon.registry import is_valid_adapter_name
+from loraplex.contracts.names import is_valid_name as is_valid_adapter_name
 from loraplex.daemon.router import ROUTERS
 
 ENV_PREFIX = "LORAPLEX_"

@@ -12,22 +12,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from loraplex.contracts.layer_groups import layer_groups
 from loraplex.cpu_lora.calibration import split_rows
 from loraplex.ipc.engine_plan import CpuAssistStep, RowPlan, StepPlan
 
 LOAD_MODES = ("auto", "cached", "on_demand", "cpu_assist")
-
-
-def layer_groups(num_layers: int, groups: int) -> list[range]:
-    """The engine's split of layers into load groups (earlier groups take the remainder)."""
-    groups = max(1, min(groups, num_layers))
-    size, extra = divmod(num_layers, groups)
-    out, start = [], 0
-    for g in range(groups):
-        end = start + size + (1 if g < extra else 0)
-        out.append(range(start, end))
-        start = end
-    return out
 
 
 @dataclass(slots=True)

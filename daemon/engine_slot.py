@@ -11,12 +11,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+
+from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
 from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
 from loraplex.daemon.cache.predictor import PredictorConfig
 from loraplex.daemon.memory.allocator import PageAllocator
-from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.daemon.router.snapshot import StepTimes, engine_state
 from loraplex.daemon.router.state import EngineState
 from loraplex.daemon.scheduler.config import SchedulerConfig

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sqlite3
 import stat
 import time
@@ -21,9 +20,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-MAX_NAME_LEN = 128
+from loraplex.contracts.names import MAX_NAME_LEN, NAME_RULE, is_valid_name
+
 MAX_PATH_LEN = 4096
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,%d}" % MAX_NAME_LEN)
 SOURCES: tuple[str, ...] = ("cli", "admin", "flag", "config")
 ERROR_CODES: tuple[str, ...] = ("already_exists", "not_found", "invalid_field", "forbidden_path")
 DEFAULT_BUSY_TIMEOUT_S = 5.0
@@ -90,18 +89,10 @@ class RegistrySchemaError(RuntimeError):
     """The database was written by a newer loraplex (schema version above SCHEMA_VERSION)."""
 
 
-def is_valid_adapter_name(name: object) -> bool:
-    """1..128 chars of [A-Za-z0-9._-], not '.' or '..' (the wire protocol's name rule)."""
-    return isinstance(name, str) and bool(_NAME.fullmatch(name)) and name not in (".", "..")
-
-
 def check_adapter_name(name: object) -> str:
-    if not is_valid_adapter_name(name):
+    if not is_valid_name(name):
         shown = name[:64] if isinstance(name, str) else name
-        raise RegistryError(
-            "invalid_field",
-            f"adapter name must be 1..{MAX_NAME_LEN} chars of [A-Za-z0-9._-] (not '.' or '..'), got {shown!r}",
-        )
+        raise RegistryError("invalid_field", f"adapter name must be {NAME_RULE}, got {shown!r}")
     return name  # type: ignore[return-value]
 
 

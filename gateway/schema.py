@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.gateway.errors import bad_request
-from loraplex.ipc.messages.client import MAX_NEW_TOKENS
+from loraplex.ipc.protocol import MAX_NEW_TOKENS
 
 Prompt = str | list[int]
 # Completions default (as OpenAI and vLLM). Chat without max_tokens (or max_completion_tokens)

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from loraplex.contracts.names import is_valid_name
 from loraplex.gateway.chat_template import ChatTemplate
 from loraplex.gateway.config import GatewayConfig
 from loraplex.gateway.errors import model_not_found
 from loraplex.gateway.metrics import GatewayMetrics
 from loraplex.ipc.client import AsyncAdminClient, AsyncClient
-from loraplex.ipc.protocol import is_valid_name
 
 
 @dataclass(slots=True)

@@ -1,6 +1,3 @@
 """The model executor side of loraplex: model loading, the unified pool tensors,
-unmerged multi-LoRA, sampling, and the offline `LLM` API built on them."""
-from loraplex.gpu_engine.llm import LLM, RequestOutput
-from loraplex.gpu_engine.sampling_params import SamplingParams
-
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+unmerged multi-LoRA, sampling, the engine and cache manager processes. Never imports
+the daemon; the offline API that composes both lives above them (loraplex.offline)."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraplex.daemon.cpu_planner import layer_groups
+from loraplex.contracts.layer_groups import layer_groups
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
 from loraplex.gpu_engine.lora.torch_backend import ResidentLora, copy_adapter_layers
 from loraplex.gpu_engine.pool import UnifiedPool

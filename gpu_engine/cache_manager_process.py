@@ -14,7 +14,7 @@ import logging
 import os
 import traceback
 
-from loraplex.daemon.memory.geometry import PageGeometry, plan_adapter_layout
+from loraplex.contracts.geometry import PageGeometry, plan_adapter_layout
 from loraplex.errors import LoraplexRequestError
 from loraplex.gpu_engine.child_process import run_child
 from loraplex.gpu_engine.host_store import HostStore, StoreFull

@@ -15,10 +15,10 @@ import traceback
 
 import torch
 
+from loraplex.contracts.geometry import AdapterLayout
 from loraplex.errors import LoraplexRequestError
 from loraplex.gpu_engine.child_process import run_child
 from loraplex.gpu_engine.faults import install_faults
-from loraplex.daemon.memory.geometry import AdapterLayout
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter, load_peft_adapter
 from loraplex.gpu_engine.malloc_arenas import bound_malloc_arenas
 from loraplex.gpu_engine.runtime import EngineRuntime, EngineSpec, build_runtime

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.daemon.memory.geometry import AdapterLayout, PageGeometry, plan_adapter_layout
+from loraplex.contracts.geometry import AdapterLayout, PageGeometry, plan_adapter_layout
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
 from loraplex.gpu_engine.lora.backend import make_lora_backend
 from loraplex.gpu_engine.lora.merge import MergeController

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.daemon.memory.geometry import PageGeometry
+from loraplex.contracts.geometry import PageGeometry
 
 
 class UnifiedPool:

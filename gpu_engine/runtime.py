@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.daemon.memory.geometry import PageGeometry
+from loraplex.contracts.geometry import PageGeometry
 from loraplex.gpu_engine.executor import Executor
 from loraplex.gpu_engine.lora.backend import LORA_BACKENDS
 from loraplex.gpu_engine.model.config import ModelConfig

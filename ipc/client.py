@@ -9,9 +9,11 @@
         print(stream.result.timings)              # set once the stream ended
 
 Blocking classes live in client_sync (thread-safe), asyncio ones in
-client_async (one socket, many concurrent requests), shared result types
-and rules in client_types. Every daemon-side or connection failure raises
-LoraplexError with a stable ErrorCode. Never imports torch or numpy.
+client_async (one socket, many concurrent requests); both only do the I/O.
+What they share: every call's request, reply and checks (client_calls), the
+I/O-free connection core (client_core) and the result types (client_types).
+Every daemon-side or connection failure raises LoraplexError with a stable
+ErrorCode. Never imports torch or numpy.
 """
 from __future__ import annotations
 

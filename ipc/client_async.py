@@ -18,58 +18,33 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from loraplex.ipc.client_types import (
-    CLIENT_SOCKET_LIMITS,
-    HANDSHAKE_EVENTS,
-    PROBE_ID_PREFIX,
-    AdapterInfo,
-    ConnectionState,
-    GenerateResult,
+from loraplex.ipc import client_calls as calls
+from loraplex.ipc.client_calls import (
+    ADD_ADAPTER_TIMEOUT_S,
+    CONTROL_TIMEOUT_S,
+    Call,
     Item,
-    Liveness,
-    LivenessTracker,
-    M,
-    PolicyKind,
-    Probe,
-    RequestTable,
+    R,
     StreamAssembler,
-    StreamChunk,
-    check_timeout,
-    expect,
     generate_request,
-    new_request_id,
+)
+from loraplex.ipc.client_core import (
+    CLIENT_SOCKET_LIMITS,
+    MONITOR_EVENTS,
+    ClientCore,
     resolve_endpoint,
     send_failed,
     timed_out,
-    undecodable_reply,
 )
+from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk
 from loraplex.ipc.curve import CurveClientKeys, check_tcp_endpoint
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
-from loraplex.ipc.protocol import (
-    AdaptersReply,
-    AddAdapterRequest,
-    AdminOkReply,
-    CancelRequest,
-    DrainRequest,
-    GenerateRequest,
-    ListAdaptersRequest,
-    Message,
-    PauseRequest,
-    PinAdapterRequest,
-    PingRequest,
-    PongReply,
-    RemoveAdapterRequest,
-    SetPolicyRequest,
-    StatsReply,
-    StatsRequest,
-)
+from loraplex.ipc.protocol import CancelRequest, GenerateRequest, Message, PolicyKind
 from loraplex.ipc.socket_options import SocketLimits
 from loraplex.ipc.sockets import AsyncTypedSocket, PeerUnavailable, make_dealer
 
 log = logging.getLogger(__name__)
 _B = TypeVar("_B", bound="_AsyncBase")
-CONTROL_TIMEOUT_S = 10.0
-_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS
 
 
 class _AsyncTransport:
@@ -87,11 +62,9 @@ class _AsyncTransport:
         if curve is not None:
             check_tcp_endpoint(endpoint)  # now, not at the first call
         self._curve = curve
-        self._link = ConnectionState(endpoint, curve is not None)
         self._liveness = liveness
         self._context = context
-        self._table = RequestTable()
-        self._tracker = LivenessTracker(liveness, time.monotonic())
+        self._core = ClientCore(endpoint, liveness, curve is not None, time.monotonic())
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: AsyncTypedSocket | None = None
         self._monitor: Any = None
@@ -107,7 +80,7 @@ class _AsyncTransport:
         if self._sock is None:
             ctx = self._context if self._context is not None else zmq.asyncio.Context.instance()
             self._sock = make_dealer(ctx, self.endpoint, limits=self._limits, curve=self._curve,
-                                     monitor_events=_MONITOR_EVENTS)
+                                     monitor_events=MONITOR_EVENTS)
             self._monitor = self._sock.monitor
             self._loop = loop
             self._tasks = [
@@ -115,7 +88,7 @@ class _AsyncTransport:
                 loop.create_task(self._watch_connection(self._monitor)),
             ]
             if self._liveness is not None:
-                self._tasks.append(loop.create_task(self._watch_liveness(self._liveness)))
+                self._tasks.append(loop.create_task(self._watch_liveness()))
         elif loop is not self._loop:
             raise RuntimeError("an AsyncClient is bound to the event loop it was first used in")
         return self._sock
@@ -123,11 +96,8 @@ class _AsyncTransport:
     async def start(self, msg: Message, request_id: str, cancellable: bool) -> asyncio.Queue[Item]:
         """Register `request_id` and send `msg`; its replies arrive on the returned queue."""
         self._open()
-        if reason := self._link.unreachable():
-            raise LoraplexError(ErrorCode.UNAVAILABLE, reason, request_id)
         replies: asyncio.Queue[Item] = asyncio.Queue()
-        if self._table.add(request_id, replies.put_nowait, cancellable):
-            self._tracker.became_busy(time.monotonic())
+        if self._core.begin(request_id, replies.put_nowait, cancellable, time.monotonic()):
             self._wake.set()
         try:
             await self.send(msg)
@@ -135,37 +105,39 @@ class _AsyncTransport:
             if cancellable:
                 self.abandon(request_id)
             else:
-                self._table.discard(request_id)
+                self._core.table.discard(request_id)
             raise
         return replies
 
     async def send(self, msg: Message) -> None:
-        if self._link.refused is not None:  # no connection to send on: it would only wait for SNDTIMEO
-            raise LoraplexError(ErrorCode.UNAVAILABLE, self._link.refused, getattr(msg, "request_id", None))
+        link = self._core.link
+        if link.refused is not None:  # no connection to send on: it would only wait for SNDTIMEO
+            raise LoraplexError(ErrorCode.UNAVAILABLE, link.refused, getattr(msg, "request_id", None))
         try:
             await self._open().send(msg)
         except (PeerUnavailable, ProtocolError) as exc:
-            if self._link.refused is not None:  # the handshake failed while the send waited: say why
-                raise LoraplexError(ErrorCode.UNAVAILABLE, self._link.refused, getattr(msg, "request_id", None)) from None
+            if link.refused is not None:  # the handshake failed while the send waited: say why
+                raise LoraplexError(ErrorCode.UNAVAILABLE, link.refused, getattr(msg, "request_id", None)) from None
             raise send_failed(self.endpoint, exc, getattr(msg, "request_id", None)) from None
 
-    async def send_quietly(self, msg: Message) -> None:
+    async def send_quietly(self, *messages: Message) -> None:
         """Best effort, also while closing (cancels, probes)."""
-        if self._sock is None or self._link.refused is not None:
-            return
-        try:
-            await self._sock.send(msg)
-        except (PeerUnavailable, ProtocolError) as exc:
-            log.debug("could not send %s: %s", msg.TYPE, exc)
+        for msg in messages:
+            if self._sock is None or self._core.link.refused is not None:
+                return
+            try:
+                await self._sock.send(msg)
+            except (PeerUnavailable, ProtocolError) as exc:
+                log.debug("could not send %s: %s", msg.TYPE, exc)
 
     def forget(self, request_id: str) -> bool:
-        return self._table.discard(request_id)
+        return self._core.table.discard(request_id)
 
     def abandon(self, request_id: str) -> None:
         """Stop waiting for `request_id`; cancel it on the daemon if it was in
         flight. Callable from sync code and finalizers, in any thread."""
         loop = self._loop
-        if not self._table.discard(request_id) or loop is None or loop.is_closed():
+        if not self._core.table.discard(request_id) or loop is None or loop.is_closed():
             return
         msg = CancelRequest(request_id=request_id)
         try:
@@ -202,47 +174,28 @@ class _AsyncTransport:
                 try:
                     _, msg = await sock.recv()
                 except ProtocolError as exc:
-                    self._tracker.heard(time.monotonic())
-                    if exc.request_id is None:
-                        log.warning("dropping an undecodable reply from %s: %s", self.endpoint, exc)
-                    else:
-                        self._table.fail(exc.request_id, undecodable_reply(exc))
+                    self._core.undecodable(exc, time.monotonic())
                     continue
-                self._tracker.heard(time.monotonic())
-                if not self._table.deliver(msg):
-                    log.debug("dropping unsolicited %s reply", msg.TYPE)
+                self._core.received(msg, time.monotonic())
         except Exception as exc:
             log.exception("loraplex client reader failed")
             self._closed = True
-            self._table.fail_all(ErrorCode.INTERNAL, f"the client's reader failed: {exc!r}")
+            self._core.table.fail_all(ErrorCode.INTERNAL, f"the client's reader failed: {exc!r}")
 
     async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
         while True:
             message = parse_monitor_message(await monitor.recv_multipart())
-            change = self._link.update(message["event"], message["value"])
-            if change == "refused":
-                self._table.fail_all(ErrorCode.UNAVAILABLE, self._link.refused or "")
-            elif change == "lost":
-                await self._fail_in_flight(f"lost the connection to the daemon at {self.endpoint}")
+            await self.send_quietly(*self._core.connection_event(message["event"], message["value"]))
 
-    async def _watch_liveness(self, liveness: Liveness) -> None:
+    async def _watch_liveness(self) -> None:
         while True:
             self._wake.clear()
-            action, wait_s = self._tracker.check(time.monotonic(), busy=len(self._table) > 0)
-            if action is Probe.PING:
-                await self.send_quietly(PingRequest(request_id=new_request_id(PROBE_ID_PREFIX)))
-            elif action is Probe.FAIL:
-                await self._fail_in_flight(f"the daemon at {self.endpoint} is not answering: {liveness.describe()}")
+            messages, wait_s = self._core.check_liveness(time.monotonic())
+            await self.send_quietly(*messages)
             try:
                 await asyncio.wait_for(self._wake.wait(), wait_s)
             except asyncio.TimeoutError:
                 pass
-
-    async def _fail_in_flight(self, reason: str) -> None:
-        # The daemon may come back on the same endpoint and still run what we
-        # sent: cancel it there so its pages are freed.
-        for request_id in self._table.fail_all(ErrorCode.UNAVAILABLE, reason):
-            await self.send_quietly(CancelRequest(request_id=request_id))
 
     async def close(self) -> None:
         if self._closed and self._sock is None:
@@ -254,12 +207,12 @@ class _AsyncTransport:
         await asyncio.gather(*tasks, return_exceptions=True)
         sock = self._sock
         if sock is None:
-            self._table.fail_all(ErrorCode.UNAVAILABLE, "the client was closed")
+            self._core.table.fail_all(ErrorCode.UNAVAILABLE, "the client was closed")
             return
         try:
             sock.socket.setsockopt(zmq.SNDTIMEO, 0)  # closing must not wait on a full queue
             await asyncio.gather(*self._background, return_exceptions=True)
-            await self._fail_in_flight("the client was closed")
+            await self.send_quietly(*self._core.fail_in_flight("the client was closed"))
         finally:
             self._sock = None
             self._monitor = None
@@ -376,32 +329,29 @@ class _AsyncBase:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, msg: Message, reply_type: type[M], timeout: float | None) -> M:
-        request_id: str = msg.request_id  # type: ignore[attr-defined]
-        timeout = check_timeout(timeout)
-        replies = await self._transport.start(msg, request_id, cancellable=False)
+    async def _call(self, call: Call[R]) -> R:
+        """Send `call`'s request and wait for its reply (at most its timeout)."""
+        replies = await self._transport.start(call.request, call.request_id, cancellable=False)
+        deadline = None if call.timeout is None else time.monotonic() + call.timeout
         try:
-            item = await self._transport.wait(replies, None if timeout is None else time.monotonic() + timeout)
+            item = await self._transport.wait(replies, deadline)
         except asyncio.TimeoutError:
-            raise timed_out(request_id, timeout) from None
+            raise timed_out(call.request_id, call.timeout) from None
         finally:
-            self._transport.forget(request_id)
-        return expect(item, reply_type, request_id)
+            self._transport.forget(call.request_id)
+        return call.finish(item)
 
     async def adapters(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> list[AdapterInfo]:
         """The registered adapters."""
-        reply = await self._call(ListAdaptersRequest(request_id=new_request_id()), AdaptersReply, timeout)
-        return [AdapterInfo.from_entry(entry) for entry in reply.adapters]
+        return await self._call(calls.list_adapters(timeout))
 
     async def stats(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
         """One snapshot of the daemon's metrics."""
-        return dict((await self._call(StatsRequest(request_id=new_request_id()), StatsReply, timeout)).stats)
+        return await self._call(calls.stats(timeout))
 
     async def ping(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> float:
         """Round-trip time to the daemon in seconds."""
-        started = time.monotonic()
-        await self._call(PingRequest(request_id=new_request_id()), PongReply, timeout)
-        return time.monotonic() - started
+        return await self._call(calls.ping(timeout))
 
 
 class AsyncClient(_AsyncBase):
@@ -460,37 +410,33 @@ class AsyncAdminClient(_AsyncBase):
 
     _SOCKET = "admin"
 
-    async def _admin(self, msg: Message, timeout: float | None) -> dict[str, object]:
-        return dict((await self._call(msg, AdminOkReply, timeout)).detail)
-
     async def add_adapter(
-        self, name: str, path: str | os.PathLike[str], *, replace: bool = False, timeout: float | None = 120.0
+        self, name: str, path: str | os.PathLike[str], *, replace: bool = False,
+        timeout: float | None = ADD_ADAPTER_TIMEOUT_S,
     ) -> dict[str, object]:
-        msg = AddAdapterRequest(name=name, path=os.fspath(path), replace=replace, request_id=new_request_id())
-        return await self._admin(msg, timeout)
+        return await self._call(calls.add_adapter(name, path, replace, timeout))
 
     async def remove_adapter(self, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
-        return await self._admin(RemoveAdapterRequest(name=name, request_id=new_request_id()), timeout)
+        return await self._call(calls.remove_adapter(name, timeout))
 
     async def pin_adapter(
         self, name: str, pinned: bool = True, *, timeout: float | None = CONTROL_TIMEOUT_S
     ) -> dict[str, object]:
-        return await self._admin(PinAdapterRequest(name=name, pinned=pinned, request_id=new_request_id()), timeout)
+        return await self._call(calls.pin_adapter(name, pinned, timeout))
 
     async def unpin_adapter(self, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
         return await self.pin_adapter(name, False, timeout=timeout)
 
     async def drain(self, timeout_s: float = 30.0) -> dict[str, object]:
-        msg = DrainRequest(timeout_s=timeout_s, request_id=new_request_id())
-        return await self._admin(msg, timeout_s + CONTROL_TIMEOUT_S)
+        return await self._call(calls.drain(timeout_s))
 
     async def set_policy(
         self, kind: PolicyKind, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S
     ) -> dict[str, object]:
-        return await self._admin(SetPolicyRequest(kind=kind, name=name, request_id=new_request_id()), timeout)
+        return await self._call(calls.set_policy(kind, name, timeout))
 
     async def pause(self, paused: bool = True, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
-        return await self._admin(PauseRequest(paused=paused, request_id=new_request_id()), timeout)
+        return await self._call(calls.pause(paused, timeout))
 
     async def resume(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
         return await self.pause(False, timeout=timeout)

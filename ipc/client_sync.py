@@ -19,58 +19,33 @@ from typing import Sequence, TypeVar
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from loraplex.ipc.client_types import (
-    CLIENT_SOCKET_LIMITS,
-    HANDSHAKE_EVENTS,
-    PROBE_ID_PREFIX,
-    AdapterInfo,
-    ConnectionState,
-    GenerateResult,
+from loraplex.ipc import client_calls as calls
+from loraplex.ipc.client_calls import (
+    ADD_ADAPTER_TIMEOUT_S,
+    CONTROL_TIMEOUT_S,
+    Call,
     Item,
-    Liveness,
-    LivenessTracker,
-    M,
-    PolicyKind,
-    Probe,
-    RequestTable,
+    R,
     StreamAssembler,
-    StreamChunk,
-    check_timeout,
-    expect,
     generate_request,
-    new_request_id,
+)
+from loraplex.ipc.client_core import (
+    CLIENT_SOCKET_LIMITS,
+    MONITOR_EVENTS,
+    ClientCore,
     resolve_endpoint,
     send_failed,
     timed_out,
-    undecodable_reply,
 )
+from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk
 from loraplex.ipc.curve import CurveClientKeys
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
-from loraplex.ipc.protocol import (
-    AdaptersReply,
-    AddAdapterRequest,
-    AdminOkReply,
-    CancelRequest,
-    DrainRequest,
-    GenerateRequest,
-    ListAdaptersRequest,
-    Message,
-    PauseRequest,
-    PinAdapterRequest,
-    PingRequest,
-    PongReply,
-    RemoveAdapterRequest,
-    SetPolicyRequest,
-    StatsReply,
-    StatsRequest,
-)
+from loraplex.ipc.protocol import CancelRequest, GenerateRequest, Message, PolicyKind
 from loraplex.ipc.socket_options import SocketLimits
 from loraplex.ipc.sockets import PeerUnavailable, make_dealer
 
 log = logging.getLogger(__name__)
 _B = TypeVar("_B", bound="_SyncBase")
-CONTROL_TIMEOUT_S = 10.0
-_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS
 
 
 class _Transport:
@@ -81,17 +56,14 @@ class _Transport:
         curve: CurveClientKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
-        self._liveness = liveness
-        self._link = ConnectionState(endpoint, curve is not None)
-        self._table = RequestTable()
-        self._tracker = LivenessTracker(liveness, time.monotonic())
+        self._core = ClientCore(endpoint, liveness, curve is not None, time.monotonic())
         self._outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         # Reentrant: a Stream finalizer (cyclic GC) may post a cancel from any
         # point of a thread that already holds it.
         self._post_lock = threading.RLock()
         self._closed = False
         ctx = context if context is not None else zmq.Context.instance()
-        self._sock = make_dealer(ctx, endpoint, limits=limits, curve=curve, monitor_events=_MONITOR_EVENTS)
+        self._sock = make_dealer(ctx, endpoint, limits=limits, curve=curve, monitor_events=MONITOR_EVENTS)
         self._monitor = self._sock.monitor
         self._send_wait_s = limits.send_timeout_ms / 1e3
         self._wake_r, self._wake_w = os.pipe()
@@ -107,10 +79,7 @@ class _Transport:
         with self._post_lock:
             if self._closed:
                 raise LoraplexError(ErrorCode.UNAVAILABLE, "the client is closed", request_id)
-            if reason := self._link.unreachable():
-                raise LoraplexError(ErrorCode.UNAVAILABLE, reason, request_id)
-            if self._table.add(request_id, replies.put, cancellable):
-                self._tracker.became_busy(time.monotonic())
+            self._core.begin(request_id, replies.put, cancellable, time.monotonic())
             self._post_locked(msg)
         return replies
 
@@ -131,12 +100,12 @@ class _Transport:
 
     def abandon(self, request_id: str) -> None:
         """Stop waiting for `request_id`, cancelling it if it was still in flight."""
-        if self._table.discard(request_id):
+        if self._core.table.discard(request_id):
             self.post(CancelRequest(request_id=request_id))
 
     def forget(self, request_id: str) -> None:
         """Stop waiting for `request_id` without cancelling it (control calls)."""
-        self._table.discard(request_id)
+        self._core.table.discard(request_id)
 
     @staticmethod
     def wait(replies: queue.SimpleQueue[Item], deadline: float | None) -> Item:
@@ -200,24 +169,29 @@ class _Transport:
     def _await_handshake(self) -> None:
         """tcp: until the first handshake, watch the monitor instead of blocking in send, so a
         refused handshake (CURVE) fails the request at once rather than after SNDTIMEO."""
+        link = self._core.link
         deadline = time.monotonic() + self._send_wait_s
-        while not self._link.handshaken and self._link.refused is None and time.monotonic() < deadline:
+        while not link.handshaken and link.refused is None and time.monotonic() < deadline:
             if self._monitor.poll(50):
                 self._drain_monitor()
 
     def _send(self, msg: Message) -> None:
-        if self.endpoint.startswith("tcp://") and not self._link.handshaken:
+        link = self._core.link
+        if self.endpoint.startswith("tcp://") and not link.handshaken:
             self._await_handshake()
-        if self._link.refused is not None:  # no connection to send on: it would only wait for SNDTIMEO
-            request_id = getattr(msg, "request_id", None) or ""
-            self._table.fail(request_id, LoraplexError(ErrorCode.UNAVAILABLE, self._link.refused, request_id))
+        if link.refused is not None:  # no connection to send on: it would only wait for SNDTIMEO
+            request_id = getattr(msg, "request_id", None)
+            self._core.unsent(msg, LoraplexError(ErrorCode.UNAVAILABLE, link.refused, request_id))
             return
         try:
             self._sock.send(msg)
         except (PeerUnavailable, ProtocolError) as exc:
-            request_id = getattr(msg, "request_id", None) or ""
             self._drain_monitor()  # a handshake refused while the send waited fails it with the reason
-            self._table.fail(request_id, send_failed(self.endpoint, exc, request_id))
+            self._core.unsent(msg, send_failed(self.endpoint, exc, getattr(msg, "request_id", None)))
+
+    def _send_all(self, messages: list[Message]) -> None:
+        for msg in messages:
+            self._send(msg)
 
     def _drain_socket(self) -> None:
         for _ in range(10_000):  # bounded, so queued sends are not starved
@@ -226,38 +200,19 @@ class _Transport:
             try:
                 _, msg = self._sock.recv()
             except ProtocolError as exc:
-                self._tracker.heard(time.monotonic())
-                if exc.request_id is None:
-                    log.warning("dropping an undecodable reply from %s: %s", self.endpoint, exc)
-                else:
-                    self._table.fail(exc.request_id, undecodable_reply(exc))
+                self._core.undecodable(exc, time.monotonic())
                 continue
-            self._tracker.heard(time.monotonic())
-            if not self._table.deliver(msg):
-                log.debug("dropping unsolicited %s reply", msg.TYPE)
+            self._core.received(msg, time.monotonic())
 
     def _drain_monitor(self) -> None:
         while self._monitor.poll(0):
             message = recv_monitor_message(self._monitor)
-            change = self._link.update(message["event"], message["value"])
-            if change == "refused":
-                self._table.fail_all(ErrorCode.UNAVAILABLE, self._link.refused or "")
-            elif change == "lost":
-                self._fail_in_flight(f"lost the connection to the daemon at {self.endpoint}")
+            self._send_all(self._core.connection_event(message["event"], message["value"]))
 
     def _check_liveness(self) -> float | None:
-        action, wait_s = self._tracker.check(time.monotonic(), busy=len(self._table) > 0)
-        if action is Probe.PING:
-            self._send(PingRequest(request_id=new_request_id(PROBE_ID_PREFIX)))
-        elif action is Probe.FAIL and self._liveness is not None:
-            self._fail_in_flight(f"the daemon at {self.endpoint} is not answering: {self._liveness.describe()}")
+        messages, wait_s = self._core.check_liveness(time.monotonic())
+        self._send_all(messages)
         return wait_s
-
-    def _fail_in_flight(self, reason: str) -> None:
-        # The daemon may come back on the same endpoint and still run what we
-        # sent: cancel it there so its pages are freed.
-        for request_id in self._table.fail_all(ErrorCode.UNAVAILABLE, reason):
-            self._send(CancelRequest(request_id=request_id))
 
     def _shutdown(self) -> None:
         with self._post_lock:
@@ -265,10 +220,10 @@ class _Transport:
         try:
             self._sock.socket.setsockopt(zmq.SNDTIMEO, 0)  # closing must not wait on a full queue
             self._flush_outbox()
-            self._fail_in_flight("the client was closed")
+            self._send_all(self._core.fail_in_flight("the client was closed"))
         except Exception:
             log.exception("loraplex client failed while closing")
-            self._table.fail_all(ErrorCode.UNAVAILABLE, "the client was closed")
+            self._core.table.fail_all(ErrorCode.UNAVAILABLE, "the client was closed")
         finally:
             self._sock.close()  # and its monitor
             os.close(self._wake_r)
@@ -378,33 +333,29 @@ class _SyncBase:
         if transport is not None:
             transport.close(wait=False)
 
-    def _call(self, msg: Message, reply_type: type[M], timeout: float | None) -> M:
-        request_id: str = msg.request_id  # type: ignore[attr-defined]
-        timeout = check_timeout(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        replies = self._transport.start(msg, request_id, cancellable=False)
+    def _call(self, call: Call[R]) -> R:
+        """Send `call`'s request and wait for its reply (at most its timeout)."""
+        deadline = None if call.timeout is None else time.monotonic() + call.timeout
+        replies = self._transport.start(call.request, call.request_id, cancellable=False)
         try:
             item = self._transport.wait(replies, deadline)
         except TimeoutError:
-            raise timed_out(request_id, timeout) from None
+            raise timed_out(call.request_id, call.timeout) from None
         finally:
-            self._transport.forget(request_id)
-        return expect(item, reply_type, request_id)
+            self._transport.forget(call.request_id)
+        return call.finish(item)
 
     def adapters(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> list[AdapterInfo]:
         """The registered adapters."""
-        reply = self._call(ListAdaptersRequest(request_id=new_request_id()), AdaptersReply, timeout)
-        return [AdapterInfo.from_entry(entry) for entry in reply.adapters]
+        return self._call(calls.list_adapters(timeout))
 
     def stats(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
         """One snapshot of the daemon's metrics."""
-        return dict(self._call(StatsRequest(request_id=new_request_id()), StatsReply, timeout).stats)
+        return self._call(calls.stats(timeout))
 
     def ping(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> float:
         """Round-trip time to the daemon in seconds."""
-        started = time.monotonic()
-        self._call(PingRequest(request_id=new_request_id()), PongReply, timeout)
-        return time.monotonic() - started
+        return self._call(calls.ping(timeout))
 
 
 class Client(_SyncBase):
@@ -490,43 +441,39 @@ class AdminClient(_SyncBase):
 
     _SOCKET = "admin"
 
-    def _admin(self, msg: Message, timeout: float | None) -> dict[str, object]:
-        return dict(self._call(msg, AdminOkReply, timeout).detail)
-
     def add_adapter(
-        self, name: str, path: str | os.PathLike[str], *, replace: bool = False, timeout: float | None = 120.0
+        self, name: str, path: str | os.PathLike[str], *, replace: bool = False,
+        timeout: float | None = ADD_ADAPTER_TIMEOUT_S,
     ) -> dict[str, object]:
         """Register the adapter at `path` (absolute, on the daemon's host) as `name`; `replace`: give an
         existing `name` these weights (detail["changed"] says whether its content differed)."""
-        msg = AddAdapterRequest(name=name, path=os.fspath(path), replace=replace, request_id=new_request_id())
-        return self._admin(msg, timeout)
+        return self._call(calls.add_adapter(name, path, replace, timeout))
 
     def remove_adapter(self, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
-        return self._admin(RemoveAdapterRequest(name=name, request_id=new_request_id()), timeout)
+        return self._call(calls.remove_adapter(name, timeout))
 
     def pin_adapter(
         self, name: str, pinned: bool = True, *, timeout: float | None = CONTROL_TIMEOUT_S
     ) -> dict[str, object]:
         """Keep `name` GPU-resident (pinned=False: make it evictable again)."""
-        return self._admin(PinAdapterRequest(name=name, pinned=pinned, request_id=new_request_id()), timeout)
+        return self._call(calls.pin_adapter(name, pinned, timeout))
 
     def unpin_adapter(self, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
         return self.pin_adapter(name, False, timeout=timeout)
 
     def drain(self, timeout_s: float = 30.0) -> dict[str, object]:
         """Stop admitting requests and wait up to `timeout_s` for running ones."""
-        msg = DrainRequest(timeout_s=timeout_s, request_id=new_request_id())
-        return self._admin(msg, timeout_s + CONTROL_TIMEOUT_S)
+        return self._call(calls.drain(timeout_s))
 
     def set_policy(
         self, kind: PolicyKind, name: str, *, timeout: float | None = CONTROL_TIMEOUT_S
     ) -> dict[str, object]:
         """Switch the "scheduler" or "cache" policy, or the engine "router", to the one called `name`."""
-        return self._admin(SetPolicyRequest(kind=kind, name=name, request_id=new_request_id()), timeout)
+        return self._call(calls.set_policy(kind, name, timeout))
 
     def pause(self, paused: bool = True, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
         """Hold scheduling (requests queue up, no new step starts) or, with paused=False, resume it."""
-        return self._admin(PauseRequest(paused=paused, request_id=new_request_id()), timeout)
+        return self._call(calls.pause(paused, timeout))
 
     def resume(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
         return self.pause(False, timeout=timeout)

@@ -15,8 +15,7 @@ from typing import Any
 import msgpack
 
 from loraplex.ipc.errors import ErrorCode, ProtocolError
-from loraplex.ipc.messages.checks import check_request_id
-from loraplex.ipc.protocol import PROTOCOL_VERSION, RESERVED_KEYS, Message, build, message_class
+from loraplex.ipc.protocol import PROTOCOL_VERSION, RESERVED_KEYS, Message, build, is_valid_request_id, message_class
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 
@@ -62,12 +61,19 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise _ExtTypeRejected(code)
 
 
+_RECORD_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
 def _pack_record(obj: Any) -> Any:
     # msgpack calls this for types it does not know: nested records (frozen
     # dataclasses declared as field types) go out as maps of their fields.
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    raise TypeError(f"cannot encode a {type(obj).__name__}")
+    names = _RECORD_FIELDS.get(type(obj))
+    if names is None:
+        if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+            raise TypeError(f"cannot encode a {type(obj).__name__}")
+        # dataclasses.fields() builds a tuple per call: a 256-row plan calls this ~600 times.
+        names = _RECORD_FIELDS[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
+    return {name: getattr(obj, name) for name in names}
 
 
 def encode(msg: Message, limits: DecodeLimits = DEFAULT_LIMITS) -> bytes:
@@ -138,13 +144,7 @@ def _unpack(data: Any, limits: DecodeLimits) -> Any:
 def _request_id_hint(body: dict[Any, Any]) -> str | None:
     """The message's request id if it is readable, so errors can name it."""
     rid = body.get("request_id")
-    if not isinstance(rid, str):
-        return None
-    try:
-        check_request_id("request_id", rid)
-    except ProtocolError:
-        return None
-    return rid
+    return rid if is_valid_request_id(rid) else None
 
 
 def _envelope_class(body: dict[Any, Any]) -> type[Message]:

@@ -36,15 +36,16 @@ class RowPlan:
     sample: bool
     sampling: SamplingSpec
     sample_index: int = 0  # how many tokens this request has sampled before
-    # CPU-assisted prefill (DESIGN §5): layers [0, cpu_layers) of this row's LoRA delta are
-    # computed by CPU workers; its tokens occupy exchange rows [cpu_row, cpu_row + len(token_ids)).
+    # CPU-assisted prefill (docs/architecture.md, "The per-layer CPU/GPU protocol"): layers
+    # [0, cpu_layers) of this row's LoRA delta are computed by CPU workers; its tokens occupy
+    # exchange rows [cpu_row, cpu_row + len(token_ids)).
     cpu_layers: int = 0
     cpu_row: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class AdapterPlacement:
-    """Copy adapter `name` from the host store into `pages` (see daemon.memory.geometry)."""
+    """Copy adapter `name` from the host store into `pages` (see loraplex.contracts.geometry)."""
 
     name: str
     pages: list[int]

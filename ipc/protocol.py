@@ -1,16 +1,18 @@
 """The loraplex wire protocol: every message type, the registry, the version.
 
-The single import point for message classes. Importing it loads every
-declaration module under `loraplex.ipc.messages`, so the registry that
-`codec.decode` consults is complete. Adding a message type is one
-`@register`-ed dataclass in one of those modules (plus its import below when
-the module is new). Holds no I/O and no serving logic.
+The single import point for message classes and their bounds, for every module
+outside `loraplex.ipc.messages`: importing it loads every declaration module
+there, so the registry that `codec.decode` consults is complete whichever
+message a process imported first. Adding a message type is one `@register`-ed
+dataclass in one of those modules, each field declared with its rules (plus its
+import below when the module is new). Holds no I/O and no serving logic.
 """
 from __future__ import annotations
 
 from loraplex.ipc.messages.admin import (
     MAX_DRAIN_TIMEOUT_S,
     POLICY_KINDS,
+    PolicyKind,
     AddAdapterRequest,
     AdminOkReply,
     DrainRequest,
@@ -29,14 +31,9 @@ from loraplex.ipc.messages.base import (
     register,
 )
 from loraplex.ipc.messages.cache import CacheHello, CacheStoreFull
-from loraplex.ipc.messages.checks import (
-    MAX_NAME_LEN,
-    MAX_PATH_LEN,
-    MAX_REQUEST_ID_LEN,
-    MAX_TOKEN_ID,
-    is_valid_name,
-)
+from loraplex.ipc.messages.checks import MAX_PATH_LEN, MAX_REQUEST_ID_LEN, MAX_TOKEN_ID, is_valid_request_id
 from loraplex.ipc.messages.client import (
+    MAX_DEADLINE_MS,
     MAX_NEW_TOKENS,
     MAX_PROMPT_TOKEN_IDS,
     MAX_STOP_STRING_LEN,
@@ -127,9 +124,9 @@ __all__ = [
     "ADMIN_REQUESTS",
     "CLIENT_REQUESTS",
     "FINISH_REASONS",
+    "MAX_DEADLINE_MS",
     "MAX_DRAIN_TIMEOUT_S",
     "MAX_ERROR_MESSAGE_LEN",
-    "MAX_NAME_LEN",
     "MAX_NEW_TOKENS",
     "MAX_PATH_LEN",
     "MAX_PROMPT_TOKEN_IDS",
@@ -139,6 +136,7 @@ __all__ = [
     "MAX_STOP_TOKEN_IDS",
     "MAX_TOKEN_ID",
     "POLICY_KINDS",
+    "PolicyKind",
     "PROTOCOL_VERSION",
     "RESERVED_KEYS",
     "AdaptersReply",
@@ -161,7 +159,7 @@ __all__ = [
     "StatsRequest",
     "TokenChunk",
     "build",
-    "is_valid_name",
+    "is_valid_request_id",
     "message_class",
     "message_types",
     "register",

@@ -2,24 +2,44 @@
 
 Owns argument parsing and what each command prints. Heavy imports (torch and
 anything that pulls it in) stay inside the command functions, so torch-free
-commands start fast.
+commands start fast and run on the light install (`pip install loraplex`); a
+command that needs the engine side says which extra to install when it is missing.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraplex import ENGINE_INSTALL, ENGINE_MODULES
+
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """A subcommand: its help line, how it adds its arguments, and what it runs."""
+    """A subcommand: its help line, how it adds its arguments, and what it runs.
+    `engine`: it needs the serving side (torch...), installed as the `engine` extra."""
 
     help: str
     configure: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    engine: bool = False
+
+
+def missing_engine_modules() -> list[str]:
+    """The engine side's modules this environment lacks; found without importing them
+    (the daemon itself must never import torch)."""
+    missing = []
+    for name in ENGINE_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
 
 
 def _configure_demo_model(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +85,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     """Offline demo: the built-in model answers each prompt as the base and through every adapter, in one batch."""
     import time
 
-    from loraplex.gpu_engine import LLM, SamplingParams
+    from loraplex import LLM, SamplingParams
     from loraplex.gpu_engine.demo import STYLES, builtin_demo
 
     print("loraplex demo: preparing the built-in demo model ...", file=sys.stderr)
@@ -565,16 +585,19 @@ COMMANDS: dict[str, Command] = {
         help="run the daemon in the foreground (Ctrl-C drains and stops)",
         configure=_configure_serve,
         run=_run_serve,
+        engine=True,
     ),
     "demo": Command(
         help="offline demo: the built-in model answers prompts through several adapters in one batch",
         configure=_configure_demo,
         run=_run_demo,
+        engine=True,
     ),
     "demo-model": Command(
         help="show the built-in demo model and its LoRA adapters, or copy them to DIR (once; reused afterwards)",
         configure=_configure_demo_model,
         run=_run_demo_model,
+        engine=True,
     ),
     "sim": Command(help="simulate engines with the daemon's own schedulers, routers and caches on a virtual clock",
                    configure=_configure_sim, run=_run_sim),
@@ -601,8 +624,13 @@ def serve_main() -> int:
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default sys.argv[1:]), run the chosen command, return its exit status."""
     args = build_parser().parse_args(argv)
+    command = COMMANDS[args.command]
+    if command.engine and (missing := missing_engine_modules()):
+        print(f"loraplex {args.command}: error: this command needs the engine side ({', '.join(missing)} not "
+              f"installed); install it with: {ENGINE_INSTALL}", file=sys.stderr)
+        return 2
     try:
-        return COMMANDS[args.command].run(args)
+        return command.run(args)
     except BrokenPipeError:  # output piped into `head` and closed early
         sys.stderr.close()
         return 0

@@ -2,7 +2,7 @@
 
 Each script runs as a subprocess, as a user would run it; the demo model goes to a
 temporary LORAPLEX_CACHE_DIR. Only shapes and sanity of the numbers are checked here:
-benchmarks are never timed in tests (DESIGN §7).
+benchmarks are never timed in tests.
 """
 from __future__ import annotations
 
@@ -75,6 +75,18 @@ def test_engine_throughput_table(cache: Path) -> None:
                        "--adapters", "single"], cache)
     assert proc.returncode == 0, proc.stderr
     assert "out tok/s" in proc.stdout and "warm-up" in proc.stderr
+
+
+def test_plan_codec_json(tmp_path: Path) -> None:
+    report = run_json("plan_codec.py", ["--rows", "16", "--prefill-rows", "2", "--chunk", "8", "--context", "64",
+                                        "--repeats", "2", "--batches", "2"], tmp_path)
+    assert report["bench"] == "plan_codec" and report["plan"]["rows"] == 16 and report["plan"]["tokens"] == 14 + 16
+    assert report["plan"]["page_ids"] >= 16 * (64 // 4) // 16
+    for codec in (c for c in report["results"].values() if c is not None):
+        assert codec["bytes"] > 0 and codec["total_us"] == codec["encode_us"] + codec["decode_us"] > 0
+    if report["results"]["msgspec"] is not None:  # an optional package; same values, same msgpack bytes
+        assert report["results"]["msgspec"]["bytes"] == report["results"]["msgpack"]["bytes"]
+        assert report["speedup_total"] > 0
 
 
 def test_page_waste_json(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.gpu_engine import LLM, SamplingParams
+from loraplex import LLM, SamplingParams
 from loraplex.ipc.client import AsyncClient
 from loraplex.ipc.shm import SEGMENT_PREFIX, SHM_DIR
 from tests.daemon_process import SPARES, DaemonProcess

@@ -1,4 +1,4 @@
-"""The CPU protocol end to end without an engine (DESIGN §5): the test plays the
+"""The per-layer CPU protocol end to end without an engine: the test plays the
 engine and the cache manager (exchange and store segments, random adapters,
 ready/done words) against a real CpuWorkerPool of worker processes, and checks
 every out row against a float64 torch reference. Also: a worker killed or
@@ -297,7 +297,7 @@ def test_submit_to_a_stopped_pool_is_unavailable(runtime_dir: Path, no_shm_lefto
 
 def test_pool_and_calibration_import_without_torch() -> None:
     code = ("import sys; import loraplex.cpu_lora.pool, loraplex.cpu_lora.calibration, loraplex.cpu_lora.process;"
-            "import loraplex.ipc.messages.cpu; assert 'torch' not in sys.modules, 'torch was imported'")
+            "import loraplex.ipc.protocol; assert 'torch' not in sys.modules, 'torch was imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
 
@@ -319,7 +319,7 @@ def test_job_validation(no_shm_leftovers: str) -> None:
     layout = exchange_layout(segment_name(no_shm_leftovers, "exchange"), 2, 64, 64, 32, 96, 16)
     from loraplex.ipc.adapter_store import store_entry_layout
     from loraplex.ipc.codec import decode, encode
-    from loraplex.ipc.messages.cpu import CpuJobSlice
+    from loraplex.ipc.protocol import CpuJobSlice
 
     entry = store_entry_layout("a", 8, {"q_proj": (64, 64)}, 2, "float32").at(0)
     good = CpuLoraJob(job_id=1, seq=1, exchange=layout, store="/lpx-x-store", layers=[0, 1],

@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 
-from loraplex.gpu_engine import LLM, SamplingParams
+from loraplex import LLM, SamplingParams
 from loraplex.ipc.client import AdminClient, AsyncClient, LoraplexError
 from loraplex.ipc.protocol import GenerateRequest
 from loraplex.ipc.sockets import make_dealer

@@ -16,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 
-from loraplex.gpu_engine import LLM, SamplingParams  # noqa: E402
+from loraplex import LLM, SamplingParams  # noqa: E402
 from loraplex.gpu_engine.decode_graphs import bucket_sizes  # noqa: E402
 from loraplex.gpu_engine.demo import llama_config, write_random_adapter, write_random_checkpoint  # noqa: E402
 from loraplex.ipc.engine_plan import AdapterPlacement, RowPlan, SamplingSpec, StepPlan  # noqa: E402

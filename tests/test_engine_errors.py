@@ -14,7 +14,7 @@ from loraplex.errors import (
     PromptTooLongError,
     UnknownAdapterError,
 )
-from loraplex.gpu_engine import LLM, SamplingParams
+from loraplex import LLM, SamplingParams
 from loraplex.gpu_engine.demo import write_random_adapter
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""Fault injection against real daemons on CPU (issue 10): engine SIGKILL / SIGSTOP mid-prefill
+"""Fault injection against real daemons on CPU: engine SIGKILL / SIGSTOP mid-prefill
 and mid-decode and while idle, a forward that raises, a simulated CUDA OOM, CPU worker SIGKILL /
 SIGSTOP mid-prefill, daemon SIGKILL (children exit, the restart sweeps), SIGTERM under load.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.gpu_engine import LLM, SamplingParams
+from loraplex import LLM, SamplingParams
 from loraplex.ipc.client import LoraplexError
 from tests.daemon_process import SPARES, DaemonProcess
 

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.memory.allocator import ADAPTER, KV, PageAllocator
-from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.daemon.scheduler.fcfs import FcfsScheduler, SchedulerConfig
 from loraplex.daemon.scheduler.sequence import SeqRequest, SeqStatus, Sequence
 from loraplex.errors import CapacityError, DuplicateRequestError

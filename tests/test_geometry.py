@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraplex.daemon.memory.geometry import (
+from loraplex.contracts.geometry import (
     DEFAULT_PAGE_TOKENS,
     AdapterLayout,
     PageGeometry,

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from loraplex.ipc.codec import decode, encode
 from loraplex.ipc.errors import ErrorCode, ProtocolError
-from loraplex.ipc.messages.checks import MAX_TOKEN_ID
+from loraplex.ipc.protocol import MAX_TOKEN_ID
 from loraplex.ipc.protocol import (
     ADAPTER_PATHS,
     FINISH_REASONS,

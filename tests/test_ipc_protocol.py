@@ -5,12 +5,14 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from typing import Annotated
+
 import msgpack
 import pytest
 
 from loraplex.ipc.codec import DecodeLimits, decode, encode
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
-from loraplex.ipc.messages.base import Message, register
+from loraplex.ipc.messages.checks import InInterval, InRange, Length, TokenIds
 from loraplex.ipc.protocol import (
     PROTOCOL_VERSION,
     AdaptersReply,
@@ -38,8 +40,10 @@ from loraplex.ipc.protocol import (
     EngineStep,
     EngineStepDone,
     EngineUnloadAdapter,
+    Message,
     TokenChunk,
     message_types,
+    register,
 )
 from loraplex.ipc.adapter_store import store_entry_layout
 from loraplex.ipc.engine_plan import AdapterPlacement, RowPlan, RowResult, SamplingSpec, StepPlan, StepResult
@@ -407,7 +411,51 @@ def test_register_rejects_malformed_declarations() -> None:
             TYPE = "test_reserved"
             v: int = 0
 
+    with pytest.raises(TypeError, match="must be Rules"):
+        @register
+        @dataclass(frozen=True, slots=True)
+        class NotARule(Message):
+            TYPE = "test_not_a_rule"
+            x: Annotated[int, "positive"] = 0
+
     assert "test_not_frozen" not in message_types() and "test_bad_field" not in message_types()
+    assert "test_not_a_rule" not in message_types()
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class _Ruled(Message):
+    """Rules on a field, on an optional field, on list items and on the list itself."""
+
+    TYPE = "test_ruled"
+
+    count: Annotated[int, InRange(1, 10)]
+    limit: Annotated[float, InInterval(0.0, 1.0, lo_open=True)] | None = None
+    tags: Annotated[list[Annotated[str, Length(1, 3)]], Length(0, 2)] = field(default_factory=list)
+    ids: Annotated[list[int], TokenIds(0, 4)] = field(default_factory=list)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"count": 0}, "count: must be in [1, 10], got 0"),
+    ({"count": 1, "limit": 0.0}, "limit: must be in (0.0, 1.0], got 0.0"),
+    ({"count": 1, "tags": ["abcd"]}, "tags[0]: length must be in [1, 3], got 4"),
+    ({"count": 1, "tags": ["a", "b", "c"]}, "tags: length must be in [0, 2], got 3"),
+    ({"count": 1, "ids": [1, -1]}, "ids: token id -1 outside"),
+])
+def test_field_rules_are_declared_once_with_the_type(fields: dict[str, object], message: str) -> None:
+    _Ruled(count=1, limit=None, tags=["a", "bcd"], ids=[0, 5])  # within every rule
+    with pytest.raises(ProtocolError) as info:
+        decode(msgpack.packb({"v": 1, "type": "test_ruled", **fields}))
+    assert message in info.value.message
+    assert info.value.code is (ErrorCode.INVALID_TOKEN if "token id" in message else ErrorCode.INVALID_FIELD)
+
+
+def test_a_list_bound_is_checked_before_its_items() -> None:
+    """An over-long list is refused for its length, before any item is looked at."""
+    with pytest.raises(ProtocolError, match="length must be in"):
+        _Ruled(count=1, tags=[object()] * 3)  # type: ignore[list-item]
+    with pytest.raises(ProtocolError, match="length must be in"):
+        _Ruled(count=1, ids=[-1] * 5)
 
 
 # A message with nested records, the shape step plans take.

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from loraplex.daemon.memory.geometry import PageGeometry  # noqa: E402
+from loraplex.contracts.geometry import PageGeometry  # noqa: E402
 from loraplex.gpu_engine.model.attention_torch import TorchPagedAttention  # noqa: E402
 from loraplex.gpu_engine.model.attention_triton import TritonPagedAttention  # noqa: E402
 from loraplex.gpu_engine.model.batch import ForwardBatch, RowSpan  # noqa: E402

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from loraplex.daemon.memory.geometry import PageGeometry, plan_adapter_layout  # noqa: E402
+from loraplex.contracts.geometry import PageGeometry, plan_adapter_layout  # noqa: E402
 from loraplex.gpu_engine.lora.backend import make_lora_backend  # noqa: E402
 from loraplex.gpu_engine.lora.peft_adapter import AdapterSpec, HostAdapter  # noqa: E402
 from loraplex.gpu_engine.lora.torch_backend import (  # noqa: E402

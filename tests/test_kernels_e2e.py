@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from loraplex.gpu_engine import LLM, SamplingParams  # noqa: E402
+from loraplex import LLM, SamplingParams  # noqa: E402
 from loraplex.gpu_engine.demo import (  # noqa: E402
     llama_config,
     mistral_config,
@@ -81,7 +81,7 @@ def test_triton_engine_matches_torch_and_peft(tmp_path: Path, kind: str) -> None
 def test_triton_backend_without_interpreter_or_cuda_explains(tmp_path: Path) -> None:
     model_dir = tmp_path / "model"
     write_random_checkpoint(model_dir, llama_config(), seed=1)
-    code = ("from loraplex.gpu_engine import LLM\n"
+    code = ("from loraplex import LLM\n"
             "try:\n"
             f"    LLM({str(model_dir)!r}, lora_backend='triton', num_pages=8)\n"
             "except ValueError as e:\n"

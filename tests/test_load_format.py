@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from loraplex.daemon.config import ConfigError, ModelSettings
-from loraplex.gpu_engine import LLM, SamplingParams
+from loraplex import LLM, SamplingParams
 from loraplex.gpu_engine.demo import llama_config
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.weights import random_weights

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.gpu_engine import LLM, SamplingParams
+from loraplex import LLM, SamplingParams
 from loraplex.gpu_engine.lora.merge import MergeController, merge_adapter, unmerge
 from loraplex.gpu_engine.lora.peft_adapter import AdapterSpec, HostAdapter
 from loraplex.gpu_engine.model.weights import LayerWeights, ModelWeights

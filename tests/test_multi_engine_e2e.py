@@ -12,7 +12,7 @@ import torch
 
 from loraplex.daemon.router import ROUTERS
 from loraplex.daemon.scheduler.factory import POLICIES
-from loraplex.gpu_engine import LLM, SamplingParams
+from loraplex import LLM, SamplingParams
 from loraplex.ipc.client import AdminClient, AsyncClient
 from tests.daemon_process import DaemonProcess
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.gpu_engine import LLM, SamplingParams
+from loraplex import LLM, SamplingParams
 from loraplex.gpu_engine.demo import (
     llama_config,
     mistral_config,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from loraplex.contracts.names import is_valid_name
 from loraplex.daemon.registry import (
     MIGRATIONS,
     SCHEMA_VERSION,
@@ -21,7 +22,6 @@ from loraplex.daemon.registry import (
     RegistryError,
     RegistrySchemaError,
     check_adapter_path,
-    is_valid_adapter_name,
 )
 
 
@@ -88,7 +88,7 @@ def test_duplicates_and_replace_keeps_pin(reg: AdapterRegistry) -> None:
 
 @pytest.mark.parametrize("name", ["", ".", "..", "a b", "a/b", "é", "x" * 129, "a\x00", None, 3])
 def test_invalid_names_are_refused(reg: AdapterRegistry, name: object) -> None:
-    assert not is_valid_adapter_name(name)
+    assert not is_valid_name(name)
     with pytest.raises(RegistryError) as err:
         reg.add(name, "/a")  # type: ignore[arg-type]
     assert err.value.code == "invalid_field"
@@ -97,7 +97,7 @@ def test_invalid_names_are_refused(reg: AdapterRegistry, name: object) -> None:
 
 def test_name_limits_accepted(reg: AdapterRegistry) -> None:
     for name in ("a", "x" * 128, "...", "A-b_c.9"):
-        assert is_valid_adapter_name(name)
+        assert is_valid_name(name)
         reg.add(name, "/a")
 
 
@@ -267,7 +267,7 @@ def test_registry_error_codes_are_checked() -> None:
         RegistryError("bogus", "x")
 
 
-# ---- scopes by base model (issue 20 point 6) ------------------------------------------------
+# ---- scopes by base model -------------------------------------------------------------------
 
 
 def test_each_model_sees_only_its_own_adapters(db_path: Path) -> None:

@@ -336,7 +336,7 @@ def test_step_times_learn_what_a_prefill_token_adds_to_a_step() -> None:
 
 def test_engine_snapshot_carries_each_running_request_tpt_so_far() -> None:
     from loraplex.daemon.memory.allocator import PageAllocator
-    from loraplex.daemon.memory.geometry import PageGeometry
+    from loraplex.contracts.geometry import PageGeometry
     from loraplex.daemon.router.snapshot import engine_state
     from loraplex.daemon.scheduler.config import SchedulerConfig
     from loraplex.daemon.scheduler.factory import make_scheduler

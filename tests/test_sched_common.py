@@ -15,8 +15,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.memory.allocator import PageAllocator
-from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.daemon.scheduler.base import BaseScheduler
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.dlora import DloraConfig, DloraScheduler
@@ -158,7 +158,7 @@ LIVELOCKS = {
         (0, "r3", [0, 14, 0, 39, 0, 0, 0, 0, 0, 0, 0], "ada", 10, False, 0),
         (2, "r1", [39, 14, 0, 0, 0, 0, 0, 0, 0, 0, 0], None, 7, False, 0),
         (7, "r2", [0], None, 1, False, 0)]),
-    # Issue 20 (failed `make test` once in two runs): the preempted r2 was let back in because
+    # Seen once in two runs of `make test`: the preempted r2 was let back in because
     # its own resident adapter counted both as pages it keeps and as room for its KV, one page
     # short of what it needed; MLQ served it ahead of r3 (holding the rest mid-prefill), so it
     # ran out again and preempted itself, forever. FCFS and dLoRA finish in 56 steps.

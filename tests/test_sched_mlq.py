@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraplex.daemon.memory.geometry import PageGeometry
+from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.scheduler.kmeans import choose_clusters, kmeans_1d
 from loraplex.daemon.scheduler.mlq import MlqConfig, MlqScheduler, sqrt_shares
 from test_fcfs_scheduler import VOCAB, assert_drained, reference, request, worst_pages

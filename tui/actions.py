@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from loraplex.ipc.messages.admin import MAX_DRAIN_TIMEOUT_S, POLICY_KINDS
-from loraplex.ipc.messages.checks import MAX_NAME_LEN, is_valid_name
+from loraplex.contracts.names import MAX_NAME_LEN, is_valid_name
+from loraplex.ipc.protocol import MAX_DRAIN_TIMEOUT_S, POLICY_KINDS
 
 Values = dict[str, Any]
 

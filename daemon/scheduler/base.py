@@ -17,10 +17,10 @@ from collections import deque
 from typing import Callable, ClassVar
 from typing import Sequence as Seq
 
+from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.cache.predictor import ArrivalPredictor
 from loraplex.daemon.memory.adapter_residency import AdapterResidency
 from loraplex.daemon.memory.allocator import KV, PageAllocator
-from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.daemon.scheduler.admission import EarlyAbort, SloAdmission
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.estimators import OutputLengthPredictor, StepCostModel
@@ -324,7 +324,7 @@ class BaseScheduler(ABC):
         tests). Its own adapter, resident but unreferenced while it waits, is counted once: as
         pages it keeps, not also as reclaimable room for its KV (counted twice, a preempted
         sequence came back into a pool one page short and preempted itself again, forever:
-        MLQ, issue 20)."""
+        MLQ, seen once in two runs of the suite)."""
         need = self._pages_wanted(seq, self._worst_kv_pages(seq.req))
         room = self.allocator.num_free + self.adapters.reclaimable_pages()
         adapter = seq.req.adapter

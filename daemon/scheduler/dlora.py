@@ -25,8 +25,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
+from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.memory.allocator import PageAllocator
-from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.daemon.scheduler.base import BaseScheduler, Clock
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.sequence import SeqStatus, Sequence

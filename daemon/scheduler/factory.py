@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.memory.allocator import PageAllocator
-from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.daemon.scheduler.base import BaseScheduler, Clock
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.dlora import DloraConfig, DloraScheduler

@@ -13,8 +13,8 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.memory.allocator import PageAllocator
-from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.daemon.router import ROUTERS, EngineState, RequestInfo, Router, make_router
 from loraplex.daemon.router.snapshot import StepTimes, engine_state
 from loraplex.daemon.scheduler.base import BaseScheduler

@@ -82,7 +82,7 @@ def measure(texts: Sequence[str], reference: str) -> dict[str, float]:
 def generate_all(model_dir: Path, adapters: dict[str, Path], prompts: Sequence[str] = EVAL_PROMPTS,
                  max_tokens: int = EVAL_MAX_TOKENS) -> dict[str, list[str]]:
     """Greedy continuations of `prompts` as the base ("base") and through each adapter, in one batch."""
-    from loraplex.gpu_engine import LLM, SamplingParams
+    from loraplex import LLM, SamplingParams
 
     llm = LLM(model_dir, device="cpu")
     for name, path in adapters.items():

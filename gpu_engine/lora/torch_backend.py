@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.daemon.memory.geometry import AdapterLayout
+from loraplex.contracts.geometry import AdapterLayout
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
 from loraplex.gpu_engine.pool import UnifiedPool
 

@@ -8,13 +8,14 @@ are answered with the common `error` reply. Every admin request may carry a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal, get_args
 
 from loraplex.ipc.messages.base import Message, register
-from loraplex.ipc.messages.checks import check_float, check_name, check_optional_request_id, check_path
+from loraplex.ipc.messages.checks import FilePath, InInterval, Name, RequestId
 
 MAX_DRAIN_TIMEOUT_S = 3600.0
-POLICY_KINDS = ("scheduler", "cache", "router")
+PolicyKind = Literal["scheduler", "cache", "router"]
+POLICY_KINDS: tuple[str, ...] = get_args(PolicyKind)
 
 
 @register
@@ -25,15 +26,10 @@ class AddAdapterRequest(Message):
 
     TYPE = "add_adapter"
 
-    name: str
-    path: str
-    request_id: str | None = None
+    name: Name
+    path: FilePath
+    request_id: RequestId | None = None
     replace: bool = False
-
-    def validate(self) -> None:
-        check_name("name", self.name)
-        check_path("path", self.path)
-        check_optional_request_id(self.request_id)
 
 
 @register
@@ -43,12 +39,8 @@ class RemoveAdapterRequest(Message):
 
     TYPE = "remove_adapter"
 
-    name: str
-    request_id: str | None = None
-
-    def validate(self) -> None:
-        check_name("name", self.name)
-        check_optional_request_id(self.request_id)
+    name: Name
+    request_id: RequestId | None = None
 
 
 @register
@@ -58,13 +50,9 @@ class PinAdapterRequest(Message):
 
     TYPE = "pin_adapter"
 
-    name: str
+    name: Name
     pinned: bool = True
-    request_id: str | None = None
-
-    def validate(self) -> None:
-        check_name("name", self.name)
-        check_optional_request_id(self.request_id)
+    request_id: RequestId | None = None
 
 
 @register
@@ -74,12 +62,8 @@ class DrainRequest(Message):
 
     TYPE = "drain"
 
-    timeout_s: float = 30.0
-    request_id: str | None = None
-
-    def validate(self) -> None:
-        check_float("timeout_s", self.timeout_s, 0.0, MAX_DRAIN_TIMEOUT_S, lo_open=True)
-        check_optional_request_id(self.request_id)
+    timeout_s: Annotated[float, InInterval(0.0, MAX_DRAIN_TIMEOUT_S, lo_open=True)] = 30.0
+    request_id: RequestId | None = None
 
 
 @register
@@ -89,13 +73,9 @@ class SetPolicyRequest(Message):
 
     TYPE = "set_policy"
 
-    kind: Literal["scheduler", "cache", "router"]
-    name: str
-    request_id: str | None = None
-
-    def validate(self) -> None:
-        check_name("name", self.name)
-        check_optional_request_id(self.request_id)
+    kind: PolicyKind
+    name: Name
+    request_id: RequestId | None = None
 
 
 @register
@@ -107,10 +87,7 @@ class PauseRequest(Message):
     TYPE = "pause"
 
     paused: bool = True
-    request_id: str | None = None
-
-    def validate(self) -> None:
-        check_optional_request_id(self.request_id)
+    request_id: RequestId | None = None
 
 
 @register
@@ -121,7 +98,4 @@ class AdminOkReply(Message):
     TYPE = "admin_ok"
 
     detail: dict[str, object] = field(default_factory=dict)
-    request_id: str | None = None
-
-    def validate(self) -> None:
-        check_optional_request_id(self.request_id)
+    request_id: RequestId | None = None

@@ -2,8 +2,9 @@
 
 Owns PROTOCOL_VERSION, `Message`, the `register` decorator and the lookup from
 wire `type` to class. A message type is declared once, as a registered frozen
-slotted dataclass; its field annotations drive the generic type checks and its
-`validate()` adds range rules. This module never touches bytes or sockets.
+slotted dataclass; its field annotations (types, and value rules attached with
+Annotated) drive the checks, and its `validate()` adds cross-field rules. This
+module never touches bytes or sockets.
 """
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ class Message:
     """Base of every wire message.
 
     Subclasses are `@register`-ed frozen slotted dataclasses with a class-level
-    `TYPE`. Construction validates: field types first (from the annotations,
-    normalising ints to floats and tuples to lists), then `validate()`. An
-    invalid message therefore cannot exist, whether built locally or decoded.
+    `TYPE`. Construction validates: each field against its annotation (its type,
+    normalising ints to floats and tuples to lists, then its Annotated rules), then
+    `validate()`. An invalid message therefore cannot exist, whether built locally
+    or decoded.
     """
 
     __slots__ = ()
@@ -50,7 +52,7 @@ class Message:
         self.validate()
 
     def validate(self) -> None:
-        """Range and cross-field rules; raise ProtocolError. Default: none."""
+        """Rules between fields; raise ProtocolError. Default: none."""
 
     def to_fields(self) -> dict[str, Any]:
         """The field values by name, in declaration order (what goes on the wire)."""
@@ -96,7 +98,7 @@ def register(cls: type[M]) -> type[M]:
         raise TypeError(f"{cls.__name__}.TYPE must be a lowercase identifier, got {type_name!r}")
     if type_name in _BY_TYPE:
         raise TypeError(f"message type {type_name!r} is declared twice ({_BY_TYPE[type_name].__name__}, {cls.__name__})")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     specs = []
     for field in dataclasses.fields(cls):
         if field.name in RESERVED_KEYS:

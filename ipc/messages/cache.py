@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loraplex.ipc.messages.base import Message, register
-from loraplex.ipc.messages.checks import check_name
+from loraplex.ipc.messages.checks import Name
 
 
 @register
@@ -35,7 +35,7 @@ class CacheStoreFull(Message):
     or keeps the adapter on disk."""
 
     TYPE = "cache_store_full"
-    name: str
+    name: Name
     needed_bytes: int  # the extent the adapter takes
     free_bytes: int
     largest_free: int
@@ -44,6 +44,3 @@ class CacheStoreFull(Message):
     num_pages: int
     nbytes: int
     scaling: float = 1.0
-
-    def validate(self) -> None:
-        check_name("name", self.name)

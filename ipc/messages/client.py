@@ -1,26 +1,26 @@
 """Requests a client sends to the daemon's client socket.
 
-Owns the declarations and range rules of generate, cancel, adapters, stats
-and ping. Sampling defaults follow vLLM's SamplingParams so users get the
+Owns the declarations (each field with its rules) of generate, cancel, adapters,
+stats and ping. Sampling defaults follow vLLM's SamplingParams so users get the
 behaviour they expect. Never holds serving logic (vocabulary size, context
 length, adapter existence are the daemon's checks, not the protocol's).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
 
 from loraplex.ipc.messages.base import Message, register
 from loraplex.ipc.messages.checks import (
     INT32_MAX,
     INT32_MIN,
     UINT63_MAX,
-    check_float,
-    check_int,
-    check_len,
-    check_name,
-    check_optional_request_id,
-    check_request_id,
-    check_token_ids,
+    InInterval,
+    InRange,
+    Length,
+    Name,
+    RequestId,
+    TokenIds,
     invalid,
 )
 
@@ -52,49 +52,28 @@ class GenerateRequest(Message):
 
     TYPE = "generate"
 
-    request_id: str
+    request_id: RequestId
     prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    adapter: str | None = None
-    max_tokens: int | None = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: Annotated[list[int], TokenIds(1, MAX_PROMPT_TOKEN_IDS)] | None = None
+    adapter: Name | None = None
+    max_tokens: Annotated[int, InRange(1, MAX_NEW_TOKENS)] | None = 64
+    temperature: Annotated[float, InInterval(0.0, MAX_TEMPERATURE)] = 1.0
+    top_p: Annotated[float, InInterval(0.0, 1.0, lo_open=True)] = 1.0
+    top_k: Annotated[int, InRange(1, INT32_MAX, off=-1)] = -1
+    seed: Annotated[int, InRange(0, UINT63_MAX)] | None = None
+    stop: Annotated[list[Annotated[str, Length(1, MAX_STOP_STRING_LEN)]], Length(0, MAX_STOP_STRINGS)] = field(
+        default_factory=list)
+    stop_token_ids: Annotated[list[int], TokenIds(0, MAX_STOP_TOKEN_IDS)] = field(default_factory=list)
     ignore_eos: bool = False
     stream: bool = False
     logprobs: bool = False
-    priority: int = 0
-    slo_ttft_ms: float | None = None
-    deadline_ms: float | None = None
+    priority: Annotated[int, InRange(INT32_MIN, INT32_MAX)] = 0
+    slo_ttft_ms: Annotated[float, InInterval(0.0, MAX_SLO_TTFT_MS, lo_open=True)] | None = None
+    deadline_ms: Annotated[float, InInterval(0.0, MAX_DEADLINE_MS, lo_open=True)] | None = None
 
     def validate(self) -> None:
-        check_request_id("request_id", self.request_id)
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise invalid("exactly one of prompt and prompt_token_ids must be given")
-        if self.prompt_token_ids is not None:
-            check_token_ids("prompt_token_ids", self.prompt_token_ids, min_len=1, max_len=MAX_PROMPT_TOKEN_IDS)
-        if self.adapter is not None:
-            check_name("adapter", self.adapter)
-        if self.max_tokens is not None:
-            check_int("max_tokens", self.max_tokens, 1, MAX_NEW_TOKENS)
-        check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
-        check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        if self.top_k != -1:
-            check_int("top_k (-1 disables)", self.top_k, 1, INT32_MAX)
-        if self.seed is not None:
-            check_int("seed", self.seed, 0, UINT63_MAX)
-        check_len("stop", self.stop, 0, MAX_STOP_STRINGS)
-        for i, s in enumerate(self.stop):
-            check_len(f"stop[{i}]", s, 1, MAX_STOP_STRING_LEN)
-        check_token_ids("stop_token_ids", self.stop_token_ids, max_len=MAX_STOP_TOKEN_IDS)
-        check_int("priority", self.priority, INT32_MIN, INT32_MAX)
-        if self.slo_ttft_ms is not None:
-            check_float("slo_ttft_ms", self.slo_ttft_ms, 0.0, MAX_SLO_TTFT_MS, lo_open=True)
-        if self.deadline_ms is not None:
-            check_float("deadline_ms", self.deadline_ms, 0.0, MAX_DEADLINE_MS, lo_open=True)
 
 
 @register
@@ -105,10 +84,7 @@ class CancelRequest(Message):
 
     TYPE = "cancel"
 
-    request_id: str
-
-    def validate(self) -> None:
-        check_request_id("request_id", self.request_id)
+    request_id: RequestId
 
 
 @register
@@ -120,10 +96,7 @@ class ListAdaptersRequest(Message):
 
     TYPE = "adapters"
 
-    request_id: str | None = None
-
-    def validate(self) -> None:
-        check_optional_request_id(self.request_id)
+    request_id: RequestId | None = None
 
 
 @register
@@ -133,10 +106,7 @@ class StatsRequest(Message):
 
     TYPE = "stats"
 
-    request_id: str | None = None
-
-    def validate(self) -> None:
-        check_optional_request_id(self.request_id)
+    request_id: RequestId | None = None
 
 
 @register
@@ -146,8 +116,5 @@ class PingRequest(Message):
 
     TYPE = "ping"
 
-    request_id: str | None = None
-
-    def validate(self) -> None:
-        check_optional_request_id(self.request_id)
+    request_id: RequestId | None = None
 

@@ -8,11 +8,12 @@ shared-memory segments and offsets, and the worker reads the bytes in place.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, Literal, get_args
 
 from loraplex.ipc.adapter_store import STORE_ARENA_BASE, StoreEntry
 from loraplex.ipc.exchange import ExchangeLayout
 from loraplex.ipc.messages.base import Message, register
-from loraplex.ipc.messages.checks import UINT63_MAX, check_int, check_len, invalid
+from loraplex.ipc.messages.checks import UINT63_MAX, Checked, InRange, Length, invalid
 from loraplex.ipc.shm import check_segment_name
 
 MAX_JOB_SLICES = 4096
@@ -21,7 +22,9 @@ MAX_DEADLINE_MS = 600_000
 MAX_CALIBRATION_RANK = 1024
 MAX_CALIBRATION_TOKENS = 65_536
 # Failure codes a worker reports (CpuWorkerFailure.code).
-FAILURE_CODES = ("timeout", "aborted", "stale", "invalid_job", "internal", "start_failed")
+FailureCode = Literal["timeout", "aborted", "stale", "invalid_job", "internal", "start_failed"]
+FAILURE_CODES: tuple[str, ...] = get_args(FailureCode)
+DeadlineMs = Annotated[int, InRange(1, MAX_DEADLINE_MS)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,15 +64,10 @@ class CpuWorkerHello(Message):
     """First message of a started worker, once pinned and ready for jobs."""
 
     TYPE = "cpu_worker_hello"
-    index: int
-    pid: int
-    core: int
+    index: Annotated[int, InRange(0, MAX_WORKERS - 1)]
+    pid: Annotated[int, InRange(1, 2**31 - 1)]
+    core: Annotated[int, InRange(0, 65_535)]
     torch_threads: int = 1
-
-    def validate(self) -> None:
-        check_int("index", self.index, 0, MAX_WORKERS - 1)
-        check_int("pid", self.pid, 1, 2**31 - 1)
-        check_int("core", self.core, 0, 65_535)
 
 
 @register
@@ -88,31 +86,24 @@ class CpuLoraJob(Message):
     """
 
     TYPE = "cpu_lora_job"
-    job_id: int
-    seq: int
+    job_id: Annotated[int, InRange(0, UINT63_MAX)]
+    seq: Annotated[int, InRange(1, UINT63_MAX)]
     exchange: ExchangeLayout
-    store: str
+    store: Annotated[str, Checked(check_segment_name)]
     layers: list[int]
-    slices: list[CpuJobSlice]
-    deadline_ms: int = 2000
-    start_deadline_ms: int = 10_000
-    generation: int | None = None
-    arena_base: int = STORE_ARENA_BASE
+    slices: Annotated[list[CpuJobSlice], Length(1, MAX_JOB_SLICES)]
+    deadline_ms: DeadlineMs = 2000
+    start_deadline_ms: DeadlineMs = 10_000
+    generation: Annotated[int, InRange(0, UINT63_MAX)] | None = None
+    arena_base: Annotated[int, InRange(0, UINT63_MAX)] = STORE_ARENA_BASE
 
     def validate(self) -> None:
-        check_int("job_id", self.job_id, 0, UINT63_MAX)
-        check_int("seq", self.seq, 1, UINT63_MAX)
-        try:
-            check_segment_name(self.store)
-        except ValueError as exc:
-            raise invalid(f"store: {exc}") from None
         num_layers = self.exchange.num_layers
-        check_len("layers", self.layers, 1, num_layers)
+        Length(1, num_layers)(self.layers, "layers")
         if any(not 0 <= layer < num_layers for layer in self.layers):
             raise invalid(f"layers: every layer must be in [0, {num_layers}), got {self.layers[:16]}")
         if any(b <= a for a, b in zip(self.layers, self.layers[1:])):
             raise invalid("layers: must be strictly increasing (the forward order)")
-        check_len("slices", self.slices, 1, MAX_JOB_SLICES)
         end = 0
         for i, piece in enumerate(sorted(self.slices, key=lambda s: s.token_start)):
             if piece.token_start < end:
@@ -129,11 +120,6 @@ class CpuLoraJob(Message):
                 if (module.in_features, module.out_features) != shape:
                     raise invalid(f"slices[{i}]: {entry.name!r} {module.name} is "
                                   f"{module.in_features}x{module.out_features}, the model's is {shape[0]}x{shape[1]}")
-        check_int("deadline_ms", self.deadline_ms, 1, MAX_DEADLINE_MS)
-        check_int("start_deadline_ms", self.start_deadline_ms, 1, MAX_DEADLINE_MS)
-        if self.generation is not None:
-            check_int("generation", self.generation, 0, UINT63_MAX)
-        check_int("arena_base", self.arena_base, 0, UINT63_MAX)
 
     @property
     def tokens(self) -> int:
@@ -167,15 +153,11 @@ class CpuWorkerFailure(Message):
 
     TYPE = "cpu_worker_failure"
     index: int
-    code: str
+    code: FailureCode
     message: str
     job_id: int | None = None
     fatal: bool = False
     calibration_id: int | None = None
-
-    def validate(self) -> None:
-        if self.code not in FAILURE_CODES:
-            raise invalid(f"code: must be one of {FAILURE_CODES}, got {self.code[:64]!r}")
 
 
 @register
@@ -186,21 +168,11 @@ class CpuCalibrate(Message):
 
     TYPE = "cpu_calibrate"
     request_id: int
-    hidden: int
-    ranks: list[int]
-    tokens: int = 256
-    repeats: int = 5
-    dtype: str = "float32"
-
-    def validate(self) -> None:
-        check_int("hidden", self.hidden, 1, 65_536)
-        check_len("ranks", self.ranks, 1, 64)
-        for rank in self.ranks:
-            check_int("ranks[]", rank, 1, MAX_CALIBRATION_RANK)
-        check_int("tokens", self.tokens, 1, MAX_CALIBRATION_TOKENS)
-        check_int("repeats", self.repeats, 1, 1000)
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise invalid(f"dtype: must be float32, bfloat16 or float16, got {self.dtype[:32]!r}")
+    hidden: Annotated[int, InRange(1, 65_536)]
+    ranks: Annotated[list[Annotated[int, InRange(1, MAX_CALIBRATION_RANK)]], Length(1, 64)]
+    tokens: Annotated[int, InRange(1, MAX_CALIBRATION_TOKENS)] = 256
+    repeats: Annotated[int, InRange(1, 1000)] = 5
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 @register

@@ -13,7 +13,7 @@ from loraplex.ipc.adapter_store import StoreEntry
 from loraplex.ipc.engine_plan import StepPlan, StepResult
 from loraplex.ipc.exchange import ExchangeLayout
 from loraplex.ipc.messages.base import Message, register
-from loraplex.ipc.messages.checks import check_name
+from loraplex.ipc.messages.checks import Name
 
 
 @register
@@ -55,14 +55,11 @@ class EngineLoadAdapter(Message):
     copying; keep_resident: same content as the copy already held, keep its GPU pages."""
 
     TYPE = "engine_load_adapter"
-    name: str
+    name: Name
     path: str
     store_segment: str = ""
     store_entry: StoreEntry | None = None
     keep_resident: bool = False
-
-    def validate(self) -> None:
-        check_name("name", self.name)
 
 
 @register

@@ -1,12 +1,13 @@
-"""Type checkers compiled from dataclass field annotations.
+"""Checkers compiled from dataclass field annotations: a field is declared once,
+with its type and its value rules, and this module turns that into one function.
 
 Owns the mapping from a field's declared type to a function that checks (and
-normalises) a value of that field: the generic half of message validation.
-Range rules live with each message class, never here. Supported grammar:
-int, float, str, bool, bytes, object (any plain msgpack value), Literal of
-strs, `X | None` and other unions, list[T], dict[str, T], and nested frozen
-dataclasses ("records", sent as maps of their fields) for structured payloads
-such as step plans.
+normalises) a value of that field. Supported grammar: int, float, str, bool,
+bytes, object (any plain msgpack value), Literal of strs, `X | None` and other
+unions, list[T], dict[str, T], nested frozen dataclasses ("records", sent as maps
+of their fields) for structured payloads such as step plans, and `Annotated[T,
+rule, ...]`: T's check, then each Rule (ipc/messages/checks.py declares them) on
+the value. Cross-field rules stay in a message's `validate()`.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import dataclasses
 import math
 import types
 import typing
-from typing import Any, Callable, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
 import msgpack
 
@@ -109,6 +110,45 @@ def _check_plain(value: Any, path: str, depth: int = 0) -> Any:
     raise _mismatch(path, "a plain msgpack value", value)
 
 
+class Rule:
+    """A value rule of one field, attached to its type with Annotated: called with the
+    type-checked value and its path, raises ProtocolError. A rule that bounds a list's
+    length also overrides `bound`, which sees a list before its items are checked, so an
+    over-long list is refused before any per-item work."""
+
+    __slots__ = ()
+
+    def bound(self, value: list[Any] | tuple[Any, ...], path: str) -> None:
+        """Checks on a list (or tuple) whose items are not checked yet. Default: none."""
+
+    def __call__(self, value: Any, path: str) -> None:
+        raise NotImplementedError
+
+
+def _annotated_checker(base: Checker, rules: tuple[Rule, ...]) -> Checker:
+    early = tuple(rule for rule in rules if type(rule).bound is not Rule.bound)
+    if not early and len(rules) == 1:
+        (rule,) = rules
+
+        def check_one_rule(value: Any, path: str) -> Any:  # the usual case, one call less
+            value = base(value, path)
+            rule(value, path)
+            return value
+
+        return check_one_rule
+
+    def check_annotated(value: Any, path: str) -> Any:
+        if early and isinstance(value, (list, tuple)):
+            for rule in early:
+                rule.bound(value, path)
+        value = base(value, path)
+        for rule in rules:
+            rule(value, path)
+        return value
+
+    return check_annotated
+
+
 _INT_ONLY = frozenset({int})
 
 _SCALARS: dict[object, Checker] = {
@@ -163,8 +203,10 @@ def _dict_checker(item: Checker) -> Checker:
     return check_dict
 
 
-def _union_checker(options: tuple[Checker, ...], names: str) -> Checker:
+def _union_checker(options: tuple[Checker, ...], names: str, optional: bool) -> Checker:
     def check_union(value: Any, path: str) -> Any:
+        if value is None and optional:
+            return None  # the common `X | None` left unset, without a failed try of X
         for option in options:
             try:
                 return option(value, path)
@@ -193,7 +235,7 @@ _RECORD_CHECKERS: dict[type, Checker] = {}
 
 
 def _record_fields(cls: type) -> list[tuple[str, Checker, bool]]:
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     out = []
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -258,6 +300,11 @@ def compile_checker(hint: object) -> Checker:
         return _check_none
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
+    if origin is Annotated:
+        rules = tuple(a for a in hint.__metadata__ if isinstance(a, Rule))
+        if len(rules) != len(hint.__metadata__):
+            raise TypeError(f"Annotated metadata must be Rules, got {hint!r}")
+        return _annotated_checker(compile_checker(args[0]), rules)
     if origin is Literal:
         if not all(isinstance(a, str) for a in args):
             raise TypeError(f"only Literal of str is supported, got {hint!r}")
@@ -265,7 +312,7 @@ def compile_checker(hint: object) -> Checker:
     if origin in (Union, types.UnionType):
         options = tuple(compile_checker(a) for a in args)
         names = " | ".join("None" if a is type(None) else getattr(a, "__name__", repr(a)) for a in args)
-        return _union_checker(options, names)
+        return _union_checker(options, names, type(None) in args)
     if origin is list and len(args) == 1:
         return _list_checker(compile_checker(args[0]), args[0])
     if origin is dict and len(args) == 2:

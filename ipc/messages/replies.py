@@ -7,23 +7,26 @@ what a reply should say; the daemon does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.messages.base import Message, register
 from loraplex.ipc.messages.checks import (
     MAX_PATH_LEN,
-    check_len,
-    check_name,
-    check_optional_request_id,
-    check_request_id,
-    check_token_ids,
+    AtLeast,
+    Length,
+    NameRule,
+    OneOf,
+    RequestId,
+    TokenIds,
     invalid,
+    is_valid_request_id,
 )
+from loraplex.ipc.messages.fields import Rule
 
 MAX_COMPLETION_TOKEN_IDS = 1 << 20
 MAX_ERROR_MESSAGE_LEN = 4096
-# How the adapter reached the GPU for this request (DESIGN §3).
+# How the adapter reached the GPU for this request (README, "Adapter load modes").
 ADAPTER_PATHS = ("base", "cached", "loaded", "cpu_assisted", "merged")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 # Timings present in every `done`; TTFT and time per token only exist once a
@@ -43,19 +46,15 @@ class TokenChunk(Message):
 
     TYPE = "token"
 
-    request_id: str
-    token_ids: list[int]
+    request_id: RequestId
+    token_ids: Annotated[list[int], TokenIds(0, MAX_COMPLETION_TOKEN_IDS)]
     text: str = ""
     logprobs: list[float] | None = None
-    index: int = 0
+    index: Annotated[int, AtLeast(0)] = 0
 
     def validate(self) -> None:
-        check_request_id("request_id", self.request_id)
-        check_token_ids("token_ids", self.token_ids, max_len=MAX_COMPLETION_TOKEN_IDS)
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
             raise invalid(f"logprobs: {len(self.logprobs)} entries for {len(self.token_ids)} token ids")
-        if self.index < 0:
-            raise invalid(f"index: must be >= 0, got {self.index}")
 
 
 @register
@@ -72,22 +71,17 @@ class DoneReply(Message):
 
     TYPE = "done"
 
-    request_id: str
+    request_id: RequestId
     finish_reason: FinishReason
-    usage: dict[str, int]
+    usage: dict[str, Annotated[int, AtLeast(0)]]
     timings: dict[str, float | str]
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: Annotated[list[int], TokenIds(0, MAX_COMPLETION_TOKEN_IDS)] = field(default_factory=list)
     text: str = ""
 
     def validate(self) -> None:
-        check_request_id("request_id", self.request_id)
-        check_token_ids("token_ids", self.token_ids, max_len=MAX_COMPLETION_TOKEN_IDS)
         for key in ("prompt_tokens", "completion_tokens"):
             if key not in self.usage:
                 raise invalid(f"usage: missing {key!r}")
-        for key, value in self.usage.items():
-            if value < 0:
-                raise invalid(f"usage.{key}: must be >= 0, got {value}")
         required = ALWAYS_TIMINGS + (TOKEN_TIMINGS if self.usage["completion_tokens"] > 0 else ())
         for key in required + ("adapter_path",):
             if key not in self.timings:
@@ -110,15 +104,9 @@ class ErrorReply(Message):
 
     TYPE = "error"
 
-    request_id: str | None
-    code: str
-    message: str
-
-    def validate(self) -> None:
-        check_optional_request_id(self.request_id)
-        if self.code not in _CODES:
-            raise invalid(f"code: unknown error code {self.code[:64]!r}")
-        check_len("message", self.message, 0, MAX_ERROR_MESSAGE_LEN)
+    request_id: RequestId | None
+    code: Annotated[str, OneOf(frozenset(code.value for code in ErrorCode), "error code")]
+    message: Annotated[str, Length(0, MAX_ERROR_MESSAGE_LEN)]
 
     @property
     def error_code(self) -> ErrorCode:
@@ -129,34 +117,33 @@ class ErrorReply(Message):
         """The reply for an exception; long messages are cut to fit, and a
         request id that is not itself valid is dropped rather than failing."""
         rid = request_id if request_id is not None else error.request_id
-        try:
-            check_optional_request_id(rid)
-        except ProtocolError:
-            rid = None
-        return cls(request_id=rid, code=error.code.value, message=error.message[:MAX_ERROR_MESSAGE_LEN])
+        return cls(request_id=rid if is_valid_request_id(rid) else None, code=error.code.value,
+                   message=error.message[:MAX_ERROR_MESSAGE_LEN])
 
     def to_exception(self) -> LoraplexError:
         """What the client library raises for this reply."""
         return LoraplexError(self.error_code, self.message, self.request_id)
 
 
-_CODES = frozenset(code.value for code in ErrorCode)
+class AdapterEntry(Rule):
+    """One entry of an adapter list: an open map whose known keys have fixed types."""
 
+    __slots__ = ()
 
-def _check_adapter_entry(where: str, entry: dict[str, object]) -> None:
-    name, path, rank = entry.get("name"), entry.get("path"), entry.get("rank")
-    modules, state = entry.get("target_modules"), entry.get("state")
-    if not isinstance(name, str):
-        raise invalid(f"{where}.name: expected str, got {type(name).__name__}")
-    check_name(f"{where}.name", name)
-    if not isinstance(path, str) or not 1 <= len(path) <= MAX_PATH_LEN:
-        raise invalid(f"{where}.path: expected a str of 1..{MAX_PATH_LEN} chars")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise invalid(f"{where}.rank: expected an int >= 0 (0: not loaded), got {rank!r}")
-    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
-        raise invalid(f"{where}.target_modules: expected a list of str")
-    if not isinstance(state, str) or not 1 <= len(state) <= 64:
-        raise invalid(f"{where}.state: expected a str of 1..64 chars")
+    def __call__(self, entry: dict[str, object], where: str) -> None:
+        name, path, rank = entry.get("name"), entry.get("path"), entry.get("rank")
+        modules, state = entry.get("target_modules"), entry.get("state")
+        if not isinstance(name, str):
+            raise invalid(f"{where}.name: expected str, got {type(name).__name__}")
+        NameRule()(name, f"{where}.name")
+        if not isinstance(path, str) or not 1 <= len(path) <= MAX_PATH_LEN:
+            raise invalid(f"{where}.path: expected a str of 1..{MAX_PATH_LEN} chars")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise invalid(f"{where}.rank: expected an int >= 0 (0: not loaded), got {rank!r}")
+        if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+            raise invalid(f"{where}.target_modules: expected a list of str")
+        if not isinstance(state, str) or not 1 <= len(state) <= 64:
+            raise invalid(f"{where}.state: expected a str of 1..64 chars")
 
 
 @register
@@ -168,13 +155,8 @@ class AdaptersReply(Message):
 
     TYPE = "adapter_list"
 
-    adapters: list[dict[str, object]]
-    request_id: str | None = None
-
-    def validate(self) -> None:
-        check_optional_request_id(self.request_id)
-        for i, entry in enumerate(self.adapters):
-            _check_adapter_entry(f"adapters[{i}]", entry)
+    adapters: list[Annotated[dict[str, object], AdapterEntry()]]
+    request_id: RequestId | None = None
 
 
 @register
@@ -186,10 +168,7 @@ class StatsReply(Message):
     TYPE = "stats_snapshot"
 
     stats: dict[str, object]
-    request_id: str | None = None
-
-    def validate(self) -> None:
-        check_optional_request_id(self.request_id)
+    request_id: RequestId | None = None
 
 
 @register
@@ -199,7 +178,4 @@ class PongReply(Message):
 
     TYPE = "pong"
 
-    request_id: str | None = None
-
-    def validate(self) -> None:
-        check_optional_request_id(self.request_id)
+    request_id: RequestId | None = None

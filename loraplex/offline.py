@@ -1,29 +1,62 @@
-"""The offline API: `LLM(model).generate(prompts, adapters=..., sampling=...)`.
+"""The offline API: `LLM(model).generate(prompts, adapters=..., sampling=...)`, with
+`SamplingParams` (vLLM-style names) and `RequestOutput`.
 
-Wires the torch-free policy (FCFS scheduler, page allocator, adapter
-residency) to the in-process executor, exactly as the daemon will drive an
-engine process. Every request is validated before any is queued, so a bad
-input raises a specific error and leaves the engine as it was.
+Sits above both sides: it wires the daemon's torch-free policy (FCFS scheduler, page
+allocator, adapter residency) to the engine's in-process executor, as the daemon drives
+an engine process. Every request is validated before any is queued, so a bad input
+raises a specific error and leaves the engine as it was. Import it as
+`from loraplex import LLM, SamplingParams` (which loads torch only then).
 """
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence as Seq
 
+from loraplex.contracts.names import NAME_RULE, is_valid_name
 from loraplex.daemon.memory.allocator import PageAllocator
-from loraplex.daemon.registry import is_valid_adapter_name
 from loraplex.daemon.scheduler.fcfs import FcfsScheduler, SchedulerConfig
 from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
 from loraplex.errors import AdapterError, InvalidTokenError, PromptTooLongError, UnknownAdapterError
-from loraplex.gpu_engine.runtime import EngineSpec, build_runtime
 from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
-from loraplex.gpu_engine.sampling_params import SamplingParams
+from loraplex.gpu_engine.runtime import EngineSpec, build_runtime
 from loraplex.ipc.engine_plan import SamplingSpec
 
 Prompt = str | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling; validated on construction (ValueError naming the field)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +114,8 @@ class LLM:
 
     # ---- adapters -------------------------------------------------------------------------------
     def add_adapter(self, name: str, peft_dir: str | Path) -> None:
-        if not is_valid_adapter_name(name):
-            raise AdapterError(f"adapter name {name!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
+        if not is_valid_name(name):
+            raise AdapterError(f"adapter name {name!r} must be {NAME_RULE}")
         if name in self.executor.host:
             raise AdapterError(f"adapter {name!r} is already added; remove it first")
         adapter = load_peft_adapter(name, peft_dir, self.config, max_lora_rank=self.max_lora_rank, dtype=self.dtype)

@@ -1,0 +1,105 @@
+"""The package boundaries, read from the code's own imports (ast), and the light root.
+
+The engine side (gpu_engine/, cpu_lora/, kernels/) never imports the daemon: what both
+need lives in loraplex.contracts. `import loraplex` alone never imports torch, while
+`from loraplex import LLM, SamplingParams` still gives the offline API.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_SIDE = ("gpu_engine", "cpu_lora", "kernels")
+# The folders whose package name is not their path (pyproject's package-dir).
+PACKAGE_OF = {"gpu_engine": "loraplex.gpu_engine", "cpu_lora": "loraplex.cpu_lora", "kernels": "loraplex.kernels",
+              "ipc": "loraplex.ipc", "daemon": "loraplex.daemon", "tui": "loraplex.tui",
+              "gateway": "loraplex.gateway", "loraplex": "loraplex"}
+
+
+def module_imports(path: Path) -> set[str]:
+    """Every module `path` imports, anywhere in the file (also inside functions), by absolute name;
+    `from X import name` counts as X and X.name, so a submodule imported by name is seen."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    package = ".".join([PACKAGE_OF[rel.parts[0]], *rel.parts[1:-1]])
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def offending(folders: tuple[str, ...], forbidden: str) -> dict[str, list[str]]:
+    out = {}
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            bad = sorted(m for m in module_imports(path) if m == forbidden or m.startswith(forbidden + "."))
+            if bad:
+                out[str(path.relative_to(ROOT))] = bad
+    return out
+
+
+def test_the_engine_side_never_imports_the_daemon() -> None:
+    assert offending(ENGINE_SIDE, "loraplex.daemon") == {}
+
+
+def test_the_check_sees_every_kind_of_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scan itself can fail: plain, from, submodule-by-name and function-local imports all count."""
+    folder = tmp_path / "gpu_engine"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.py").write_text("import loraplex.daemon.registry\n")
+    (folder / "b.py").write_text("def f():\n    from loraplex.daemon.memory.allocator import PageAllocator\n")
+    (folder / "c.py").write_text("from loraplex import daemon\n")
+    (folder / "sub" / "d.py").write_text("from ... import daemon\n")
+    (folder / "e.py").write_text("from loraplex.contracts.geometry import PageGeometry\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert sorted(offending(("gpu_engine",), "loraplex.daemon")) == [
+        "gpu_engine/a.py", "gpu_engine/b.py", "gpu_engine/c.py", "gpu_engine/sub/d.py"]
+
+
+def test_messages_are_imported_through_the_protocol_module() -> None:
+    """One path to the message classes: loraplex.ipc.protocol, which loads every declaration module
+    (so decode's registry is complete); only ipc/messages/ itself and protocol.py reach inside."""
+    folders = ("daemon", "ipc", "gpu_engine", "cpu_lora", "kernels", "tui", "gateway", "loraplex")
+    found = offending(folders, "loraplex.ipc.messages")
+    allowed = {"ipc/protocol.py"}
+    assert {path: mods for path, mods in found.items()
+            if path not in allowed and not path.startswith("ipc/messages/")} == {}
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_import_loraplex_and_its_client_never_import_torch() -> None:
+    proc = run_python("import sys, loraplex, loraplex.ipc.client, loraplex.contracts.geometry, "
+                      "loraplex.contracts.layer_groups, loraplex.contracts.names\n"
+                      "assert 'torch' not in sys.modules, 'torch was imported'\n"
+                      "assert 'loraplex.offline' not in sys.modules\n")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_offline_api_is_reached_from_the_root() -> None:
+    import loraplex
+    from loraplex import LLM, SamplingParams
+    from loraplex.offline import LLM as OfflineLLM
+
+    assert LLM is OfflineLLM and SamplingParams(max_tokens=3).max_tokens == 3
+    assert set(loraplex.__all__) >= {"LLM", "SamplingParams", "RequestOutput"}
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        loraplex.nope  # noqa: B018
+    import loraplex.gpu_engine
+
+    assert not hasattr(loraplex.gpu_engine, "LLM")  # re-exporting it would import the daemon

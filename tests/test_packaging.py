@@ -1,0 +1,92 @@
+"""The two installs: `pip install loraplex` (the light side: clients, gateway, console,
+the torch-free daemon) and `loraplex[engine]` (torch, safetensors, triton).
+
+A light install is simulated by a subprocess in which the engine side's modules cannot
+be found; the slow test installs the package into a fresh virtualenv for real.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_process import DaemonProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+INSTALL_HINT = "pip install 'loraplex[engine]'"
+
+# Run first in the subprocess: the engine side is "not installed" (as pip would leave it).
+NO_ENGINE = """
+import sys
+class _NoEngine:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "safetensors", "triton"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, _NoEngine())
+"""
+
+
+def without_engine(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", NO_ENGINE + code, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_shim_hides_the_engine_side() -> None:
+    proc = without_engine("import torch")
+    assert proc.returncode == 1 and "No module named 'torch'" in proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["demo"], ["demo-model"]])
+def test_an_engine_command_names_the_extra_in_one_line(argv: list[str], tmp_path: Path) -> None:
+    proc = without_engine("import sys; from loraplex.cli import main; sys.exit(main(sys.argv[1:]))",
+                          *argv, *(["--runtime-dir", str(tmp_path)] if argv == ["serve"] else []))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"loraplex {argv[0]}: error: this command needs the engine side (torch")
+    assert proc.stderr.rstrip().endswith(INSTALL_HINT)
+    assert not (tmp_path / "client.sock").exists()
+
+
+def test_loraplexd_names_the_extra_too(tmp_path: Path) -> None:
+    proc = without_engine("import sys; from loraplex.cli import serve_main; sys.argv[1:] = ['--runtime-dir', "
+                          f"{str(tmp_path)!r}]; sys.exit(serve_main())")
+    assert proc.returncode == 2 and proc.stderr.rstrip().endswith(INSTALL_HINT), proc.stderr
+
+
+def test_client_commands_and_the_offline_api_on_a_light_install(tmp_path: Path) -> None:
+    """A client command runs (and fails only for the missing daemon); the offline API names the extra."""
+    proc = without_engine("import sys; from loraplex.cli import main; sys.exit(main(sys.argv[1:]))",
+                          "generate", "--runtime-dir", str(tmp_path), "hi")
+    assert proc.returncode == 1 and "no loraplex daemon is listening" in proc.stderr, proc.stderr
+    proc = without_engine("from loraplex import LLM")
+    assert proc.returncode == 1 and proc.stderr.rstrip().endswith(INSTALL_HINT), proc.stderr
+    assert "loraplex.LLM needs the engine side (torch is not installed)" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_fresh_light_install_has_no_torch_and_talks_to_a_daemon(tmp_path: Path) -> None:
+    """`pip install .` into a new virtualenv (needs the package index): no torch, and its
+    `loraplex generate` is answered by a daemon of the full install."""
+    env_dir = tmp_path / "light"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    pip = [str(env_dir / "bin" / "python"), "-m", "pip"]
+    subprocess.run([*pip, "install", "-q", str(ROOT)], check=True, timeout=900, capture_output=True)
+    installed = subprocess.run([*pip, "list", "--format=freeze"], check=True, capture_output=True, text=True).stdout
+    names = {line.split("==")[0].lower() for line in installed.splitlines()}
+    assert "loraplex" in names and not names & {"torch", "safetensors", "triton", "numpy"}, installed
+    light = str(env_dir / "bin" / "loraplex")
+    (tmp_path / "daemon").mkdir()
+    daemon = DaemonProcess(tmp_path / "daemon").start()
+    try:
+        proc = subprocess.run([light, "generate", "--runtime-dir", str(daemon.runtime_dir), "--max-tokens", "4",
+                               "hi"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "tokens; ttft" in proc.stderr, proc.stderr
+        proc = subprocess.run([light, "serve", "--runtime-dir", str(tmp_path / "other")], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.rstrip().endswith(INSTALL_HINT), proc.stderr
+    finally:
+        assert daemon.stop() == 0
