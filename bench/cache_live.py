@@ -37,7 +37,7 @@ from pathlib import Path
 
 from soak import start_daemon, stop_daemon
 
-from loraplex.daemon.cache.policies import POLICY_NAMES
+from loraplex.daemon.gpu_cache.policies import POLICY_NAMES
 from loraplex.daemon.memory.geometry import PageGeometry, plan_adapter_layout
 from loraplex.daemon.sim.loadgen import drive
 from loraplex.daemon.sim.metrics import QUANTILES, pct

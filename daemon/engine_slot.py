@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable
 from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
 from loraplex.daemon.config import LoraplexConfig
-from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
-from loraplex.daemon.cache.predictor import PredictorConfig
+from loraplex.daemon.child_link import EngineDied, EngineRefused
+from loraplex.daemon.engine_link import EngineLink
+from loraplex.daemon.gpu_cache.predictor import PredictorConfig
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.memory.geometry import PageGeometry
 from loraplex.daemon.router.snapshot import StepTimes, engine_state

@@ -20,7 +20,8 @@ import zmq.asyncio
 from loraplex.daemon.access import AccessError, set_socket_modes, warn_plain_tcp
 from loraplex.daemon.cache_link import CacheManagerLink
 from loraplex.daemon.config import LoraplexConfig
-from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
+from loraplex.daemon.child_link import EngineDied, EngineRefused
+from loraplex.daemon.engine_link import EngineLink
 from loraplex.daemon.adapter_hash import fingerprint_from_text, fingerprint_to_text
 from loraplex.daemon.adapter_table import AdapterEntry
 from loraplex.daemon.model_scope import ModelScopeError, model_scope

@@ -20,7 +20,8 @@ from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
 from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.decision_log import DecisionLog, StepDecision
 from loraplex.daemon.detokenizer import load_tokenizer
-from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
+from loraplex.daemon.child_link import EngineDied, EngineRefused
+from loraplex.daemon.engine_link import EngineLink
 from loraplex.daemon.engine_slot import EngineSlot
 from loraplex.daemon.intake import PromptIntake
 from loraplex.daemon.replicas import Replicas, build_router
@@ -31,7 +32,7 @@ from loraplex.daemon.serving_requests import RequestAdmission, request_key
 from loraplex.daemon.router import ROUTERS
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.request_state import ClientRequest
-from loraplex.daemon.cache.policies import POLICY_NAMES
+from loraplex.daemon.gpu_cache.policies import POLICY_NAMES
 from loraplex.daemon.scheduler.base import BaseScheduler
 from loraplex.daemon.scheduler.factory import POLICIES
 from loraplex.daemon.scheduler.sequence import Sequence, SeqRequest

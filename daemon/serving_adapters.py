@@ -13,7 +13,7 @@ import logging
 from collections import Counter
 
 from loraplex.daemon.adapter_table import AdapterEntry
-from loraplex.daemon.engine_link import EngineRefused
+from loraplex.daemon.child_link import EngineRefused
 from loraplex.ipc.adapter_files import AdapterFileError
 from loraplex.ipc.errors import ErrorCode
 

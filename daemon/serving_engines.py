@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from loraplex.daemon.engine_link import EngineDied, EngineRefused
+from loraplex.daemon.child_link import EngineDied, EngineRefused
 from loraplex.daemon.engine_slot import EngineSlot
 from loraplex.daemon.scheduler.sequence import Sequence
 from loraplex.daemon.serving_adapters import Rejected

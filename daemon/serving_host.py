@@ -14,7 +14,7 @@ import logging
 import time
 
 from loraplex.daemon.adapter_table import AdapterEntry
-from loraplex.daemon.engine_link import EngineDied, EngineRefused
+from loraplex.daemon.child_link import EngineDied, EngineRefused
 from loraplex.daemon.host_tier import HostTier
 from loraplex.daemon.serving_adapters import Rejected
 from loraplex.ipc.adapter_files import allow_also

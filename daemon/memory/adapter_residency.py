@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from loraplex.daemon.cache.counters import AdapterUsage, CacheTotals
-from loraplex.daemon.cache.policies import CostWeights, EvictionPolicy, make_policy
-from loraplex.daemon.cache.predictor import ArrivalPredictor
+from loraplex.daemon.gpu_cache.counters import AdapterUsage, CacheTotals
+from loraplex.daemon.gpu_cache.policies import CostWeights, EvictionPolicy, make_policy
+from loraplex.daemon.gpu_cache.predictor import ArrivalPredictor
 from loraplex.daemon.memory.allocator import ADAPTER, OutOfPages, PageAllocator
 from loraplex.ipc.engine_plan import AdapterPlacement
 
@@ -71,7 +71,7 @@ class ResidencyChanges:
 class AdapterResidency:
     """The GPU adapter cache over the daemon's page allocator.
 
-    policy: "none" | "lru" | "fifo" | "cost" (see loraplex.daemon.cache.policies);
+    policy: "none" | "lru" | "fifo" | "cost" (see loraplex.daemon.gpu_cache.policies);
     weights: cost-policy weights and frequency half-life; predictor: extends
     prefetch candidates with adapters expected soon (None: off); host_resident: whether
     an adapter sits in the host store (None: all do), so predictor picks still on disk

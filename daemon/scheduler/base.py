@@ -17,7 +17,7 @@ from collections import deque
 from typing import Callable, ClassVar
 from typing import Sequence as Seq
 
-from loraplex.daemon.cache.predictor import ArrivalPredictor
+from loraplex.daemon.gpu_cache.predictor import ArrivalPredictor
 from loraplex.daemon.memory.adapter_residency import AdapterResidency
 from loraplex.daemon.memory.allocator import KV, PageAllocator
 from loraplex.daemon.memory.geometry import PageGeometry

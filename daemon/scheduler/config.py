@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from loraplex.daemon.cache.predictor import PredictorConfig
+from loraplex.daemon.gpu_cache.predictor import PredictorConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +32,11 @@ class SchedulerConfig:
     # instead of stalling the whole step on it; the engine reports loads in StepResult.loading.
     # Off: it is admitted at once and the step waits for the adapter's layer groups.
     admit_when_loaded: bool = False
-    # GPU adapter cache eviction policy (daemon/cache/policies.py): none, lru, fifo or cost.
+    # GPU adapter cache eviction policy (daemon/gpu_cache/policies.py): none, lru, fifo or cost.
     cache_policy: str = "lru"
     # Prefetch adapters of queued requests into free pages (never evicting for it).
     prefetch: bool = True
-    # Also prefetch adapters a histogram of past arrivals expects soon (daemon/cache/predictor.py);
+    # Also prefetch adapters a histogram of past arrivals expects soon (daemon/gpu_cache/predictor.py);
     # None: off (the default).
     cache_predictor: PredictorConfig | None = None
 
