@@ -10,3 +10,13 @@ class EngineLink(ChildLink):
     CHILD_MODULE = "loraplex.gpu_engine.engine_process"
     ENDPOINT_NAME = "engine"
     HELLO_TYPE = EngineHello
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # The cache manager's host store, attached at each start (EngineSlot.attach_store); "": none,
+        # the engine makes its own where it needs one.
+        self.store_segment = ""
+
+    def child_spec(self) -> dict:
+        """Which of the daemon's engines this is (`cuda` means GPU replica mod GPU count), and the store."""
+        return {**self.spec, "replica": self.index, "host_store_segment": self.store_segment}
