@@ -7,7 +7,10 @@ Torch-free.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from loraplex.daemon.child_link import ChildLink
+from loraplex.engine_spec import EngineSpec
 from loraplex.ipc.protocol import CacheHello
 from loraplex.ipc.shm import segment_name
 
@@ -17,9 +20,10 @@ class CacheManagerLink(ChildLink):
     ENDPOINT_NAME = "cache"
     HELLO_TYPE = CacheHello
 
-    def child_spec(self) -> dict:
-        instance = self.spec.get("shm_instance") or "daemon"
-        return {**self.spec, "host_store_segment": segment_name(instance, f"store-g{self.starts}")}
+    def child_spec(self) -> EngineSpec:
+        """The store this generation of the cache manager creates."""
+        instance = self.spec.shm_instance or "daemon"
+        return replace(self.spec, host_store_segment=segment_name(instance, f"store-g{self.starts}"))
 
     @property
     def segment(self) -> str:

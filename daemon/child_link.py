@@ -21,7 +21,6 @@ the role) tells which it is.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -31,6 +30,7 @@ from typing import Callable
 
 import zmq.asyncio
 
+from loraplex.engine_spec import EngineSpec
 from loraplex.ipc.heartbeat import HEARTBEAT_FD_FLAG, HeartbeatWatch
 from loraplex.ipc.protocol import EngineFailure, EngineShutdown, Message
 from loraplex.ipc.runtime_dir import ipc_endpoint
@@ -72,12 +72,12 @@ class ChildLink:
     ENDPOINT_NAME: str
     HELLO_TYPE: type
 
-    def __init__(self, ctx: zmq.asyncio.Context, runtime_dir: Path, spec: dict, *, index: int = 0,
+    def __init__(self, ctx: zmq.asyncio.Context, runtime_dir: Path, spec: EngineSpec, *, index: int = 0,
                  start_timeout_s: float = 300.0, step_timeout_s: float = 60.0,
                  heartbeat_timeout_s: float = 3.0, spare: bool = False) -> None:
         self._ctx = ctx
         self.endpoint = ipc_endpoint(runtime_dir, f"{self.ENDPOINT_NAME}-{index}")
-        self.spec = spec  # EngineSpec fields (JSON-able), built once from the configuration
+        self.spec = spec  # built once from the configuration (LoraplexConfig.engine_spec)
         self.index = index
         self.start_timeout_s = start_timeout_s
         self.step_timeout_s = step_timeout_s  # the progress deadline of one order
@@ -99,7 +99,7 @@ class ChildLink:
         self._spare_task: asyncio.Task | None = None
         self._exit_watch: tuple[asyncio.subprocess.Process, asyncio.Future] | None = None
 
-    def child_spec(self) -> dict:
+    def child_spec(self) -> EngineSpec:
         """The spec this start hands the child: the configured one with what is per child and per start."""
         return self.spec
 
@@ -138,7 +138,7 @@ class ChildLink:
             try:
                 self.proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", self.CHILD_MODULE, "--endpoint", self.endpoint,
-                    "--spec", json.dumps(self.child_spec()), HEARTBEAT_FD_FLAG, str(beat.child_fd), env=_child_env(),
+                    "--spec", self.child_spec().to_json(), HEARTBEAT_FD_FLAG, str(beat.child_fd), env=_child_env(),
                     stdin=asyncio.subprocess.DEVNULL, pass_fds=(beat.child_fd,),
                 )
             except BaseException:
@@ -195,7 +195,7 @@ class ChildLink:
             spare.beat.poll()  # reads EOF if it died unreaped
             if spare.proc.returncode is not None or stdin is None or spare.beat.closed:
                 raise ConnectionResetError(f"it exited (status {spare.proc.returncode})")
-            stdin.write(json.dumps(self.child_spec()).encode() + b"\n")
+            stdin.write(self.child_spec().to_json().encode() + b"\n")
             await stdin.drain()
             stdin.close()
         except (OSError, RuntimeError) as exc:  # RuntimeError: the transport closed under us

@@ -2,7 +2,10 @@
 gpu_engine/engine_process.py and answers with an EngineHello. Torch-free."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from loraplex.daemon.child_link import ChildLink
+from loraplex.engine_spec import EngineSpec
 from loraplex.ipc.protocol import EngineHello
 
 
@@ -17,6 +20,6 @@ class EngineLink(ChildLink):
         # the engine makes its own where it needs one.
         self.store_segment = ""
 
-    def child_spec(self) -> dict:
+    def child_spec(self) -> EngineSpec:
         """Which of the daemon's engines this is (`cuda` means GPU replica mod GPU count), and the store."""
-        return {**self.spec, "replica": self.index, "host_store_segment": self.store_segment}
+        return replace(self.spec, replica=self.index, host_store_segment=self.store_segment)

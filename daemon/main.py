@@ -7,7 +7,6 @@ process links, signal handling and clean removal of socket files.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import signal
 import sqlite3
@@ -145,9 +144,7 @@ def _child_links(ctx: zmq.asyncio.Context, runtime_dir, config: LoraplexConfig,
                  engine_factory: Callable[..., EngineLink]) -> tuple[list[EngineLink], CacheManagerLink | None]:
     """One link per engine and, unless a stub engine factory stands in (tests, the overhead bench),
     the cache manager's; every child gets the same spec, built once from the configuration."""
-    spec = {**dataclasses.asdict(config.model), "shm_instance": instance_id(runtime_dir),
-            "max_num_seqs": config.scheduler.max_num_seqs,  # the largest decode batch: the largest graph
-            "adapter_dirs": list(config.server.adapter_dirs)}  # children check every adapter file too
+    spec = config.engine_spec(instance_id(runtime_dir))
     server = config.server
     timeouts = {"start_timeout_s": server.engine_start_timeout_s, "step_timeout_s": server.engine_step_timeout_s,
                 "heartbeat_timeout_s": server.heartbeat_timeout_s, "spare": server.spare_children}
