@@ -1,4 +1,4 @@
-"""Live GPU-adapter-cache policies on CPU (issue 6): hit rate and TTFT of a real daemon per
+"""Live GPU-adapter-cache policies on CPU: hit rate and TTFT of a real daemon per
 cache policy, under Zipf adapter popularity with ranks 8-128 (Chameleon §5.3).
 
 Writes --adapters random PEFT adapters (all seven projections, ranks drawn uniformly from

@@ -1,6 +1,6 @@
 """Decode-step profile of the engine: the cost of unmerged LoRA in a decode step.
 
-Measures (Toppings §5, issue 5):
+Measures (Toppings §5):
 - decode step time of the base model vs the same batch spread over 64 distinct
   adapters (the overhead of serving many adapters at once);
 - decode step times over batch sizes and rank mixes, fitted to

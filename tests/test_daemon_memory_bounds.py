@@ -1,5 +1,5 @@
 """A long-running daemon keeps nothing per finished request or per engine step: the soak's
-flat-memory requirement (issue 10) at the two places that once grew without bound."""
+flat-memory requirement at the two places that once grew without bound."""
 from __future__ import annotations
 
 import asyncio

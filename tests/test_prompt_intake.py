@@ -1,7 +1,6 @@
-"""Prompts are bounded before any work and tokenized off the event loop (issue 20, points 1
-and 7): the size bound, the tokenizer threads, each client's byte budget, `max_tokens`
-against the context, and a request that is cancelled, disconnected or timed out while its
-prompt is being tokenized."""
+"""Prompts are bounded before any work and tokenized off the event loop: the size bound, the
+tokenizer threads, each client's byte budget, `max_tokens` against the context, and a request
+that is cancelled, disconnected or timed out while its prompt is being tokenized."""
 from __future__ import annotations
 
 import asyncio

@@ -1,6 +1,6 @@
 """Which adapters hold pages in the unified pool, who uses them, and which leave first.
 
-Torch-free GPU adapter cache (DESIGN §4, Chameleon §4.1). An adapter is placed on
+Torch-free GPU adapter cache (docs/architecture.md, 'The unified pool'; Chameleon §4.1). An adapter is placed on
 first use and reference-counted by the sequences running with it; at zero
 references it stays resident in otherwise idle pages until the allocator needs
 them. Then unreferenced, unpinned adapters leave in the policy's order, those no

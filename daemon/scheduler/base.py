@@ -324,7 +324,7 @@ class BaseScheduler(ABC):
         tests). Its own adapter, resident but unreferenced while it waits, is counted once: as
         pages it keeps, not also as reclaimable room for its KV (counted twice, a preempted
         sequence came back into a pool one page short and preempted itself again, forever:
-        MLQ, issue 20)."""
+        MLQ, found the same way)."""
         need = self._pages_wanted(seq, self._worst_kv_pages(seq.req))
         room = self.allocator.num_free + self.adapters.reclaimable_pages()
         adapter = seq.req.adapter
