@@ -38,7 +38,7 @@ from pathlib import Path
 from soak import start_daemon, stop_daemon
 
 from loraplex.contracts.geometry import PageGeometry, plan_adapter_layout
-from loraplex.daemon.cache.policies import POLICY_NAMES
+from loraplex.daemon.gpu_cache.policies import POLICY_NAMES
 from loraplex.daemon.sim.loadgen import drive
 from loraplex.daemon.sim.metrics import QUANTILES, pct
 from loraplex.daemon.sim.workload import WorkloadSpec, adapter_ranks, generate

@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loraplex.daemon.cache.policies import POLICY_NAMES, CostWeights
+from loraplex.daemon.gpu_cache.policies import POLICY_NAMES, CostWeights
 from loraplex.daemon.memory.adapter_residency import AdapterResidency
 from loraplex.daemon.memory.allocator import KV, PageAllocator
 

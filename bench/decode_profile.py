@@ -137,7 +137,8 @@ class Engine:
         """Median time of a decode step of len(adapters) sequences (an adapter name or None each)."""
         allocator = PageAllocator(self.num_pages)
         sched = FcfsScheduler(SchedulerConfig(max_num_seqs=len(adapters), max_batched_tokens=65536,
-                                              max_model_len=self.args.context + self.args.steps + 8),
+                                              max_model_len=self.args.context + self.args.steps + 8,
+                                              max_loras_per_batch=0, admit_when_loaded=False),
                               self.geometry, allocator, lambda n: self.executor.host[n].layout.num_pages, ())
         for i, name in enumerate(adapters):
             prompt = torch.randint(3, self.cfg.vocab_size, (self.args.context,)).tolist()

@@ -94,3 +94,8 @@ class AdapterTable:
 
     def pages(self, name: str) -> int:
         return self._entries[name].num_pages
+
+    def rank_of(self, name: str) -> int:
+        """The adapter's rank; 0 when it is unknown (or gone)."""
+        entry = self._entries.get(name)
+        return entry.rank if entry is not None else 0

@@ -2,25 +2,30 @@
 
 Owns the settings (model, scheduler, server, adapters), their validation, and the
 mapping of defaults < TOML file < LORAPLEX_* environment < command-line flags onto
-them. Must never import torch or numpy, and never touch the filesystem beyond
-reading the TOML file: resolving devices, paths and pools happens where they are used.
+them; the engine spec every child process starts with is built from them once
+(LoraplexConfig.engine_spec). The [model] section's engine settings take their defaults
+and checks from loraplex/contracts/engine_spec.py, the scheduling limits theirs from
+daemon/scheduler/config.py. Must never import torch or numpy, and never touch the
+filesystem beyond reading the TOML file: resolving devices, paths and pools happens
+where they are used (`auto` values in the engine, gpu_engine/runtime.py).
 """
 from __future__ import annotations
 
 import ipaddress
-import math
 import os
 import re
 import tomllib
-import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, get_args
 
 from loraplex.contracts.names import is_valid_name as is_valid_adapter_name
+from loraplex.daemon.gpu_cache.predictor import PredictorConfig
 from loraplex.daemon.router import ROUTERS
+from loraplex.daemon.scheduler.config import SchedulerConfig
+from loraplex.contracts.engine_spec import EngineSpec, check_engine_settings
+from loraplex.contracts.settings import Checks, ConfigError, convert, field_types
 
 ENV_PREFIX = "LORAPLEX_"
 ENV_CONFIG = "LORAPLEX_CONFIG"
@@ -33,30 +38,20 @@ ENV_ALIASES: dict[str, str] = {
 }
 # Scheduling policies the daemon can build; extend when a policy lands in daemon/scheduler.
 SCHEDULER_POLICIES: tuple[str, ...] = ("fcfs", "mlq", "dlora")
-DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
-DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
-LORA_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 CACHE_POLICIES: tuple[str, ...] = ("none", "lru", "fifo", "cost")
-ADAPTER_LOAD_MODES: tuple[str, ...] = ("auto", "cached", "on_demand", "cpu_assist")
-LOAD_FORMATS: tuple[str, ...] = ("safetensors", "dummy")  # as loraplex.gpu_engine.model.weights (torch-free here)
 # Same value as loraplex.ipc.codec.DEFAULT_MAX_MESSAGE_BYTES (not imported: that pulls in zmq).
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 _TCP_ENDPOINT = re.compile(r"tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})")
-_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
-_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
-_NONE_WORDS = frozenset({"", "none", "null"})
+# Each default is defined once: the engine settings' in EngineSpec, the scheduling limits' in
+# SchedulerConfig, the predictor's in PredictorConfig; the sections below take theirs from these.
+_ENGINE = EngineSpec()
+_ENGINE_FIELDS = frozenset(f.name for f in fields(EngineSpec))
+_SCHEDULER = SchedulerConfig()
+_PREDICTOR = PredictorConfig()
 # Fields holding filesystem paths: `~` is expanded and relative paths are anchored
 # (at the TOML file's directory for file values, at the working directory otherwise).
 _PATH_KEYS = frozenset({"server.runtime_dir", "server.state_dir", "server.adapter_dirs", "scheduler.router_profile",
                         "server.tcp_curve_secret_key_file", "server.tcp_curve_allowed_keys"})
-
-
-class ConfigError(ValueError):
-    """A setting is unknown, of the wrong type or out of range; `key` names it ("section.field")."""
-
-    def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(message)
-        self.key = key
 
 
 def _help(text: str, example: str | None = None) -> dict[str, str]:
@@ -64,111 +59,53 @@ def _help(text: str, example: str | None = None) -> dict[str, str]:
     return {"help": text} if example is None else {"help": text, "example": example}
 
 
-class _Section:
-    """Shared checks of the section dataclasses: field types first, then ranges."""
-
-    __slots__ = ()
-    SECTION: ClassVar[str] = ""
-
-    def _check_types(self) -> None:
-        for name, hint in _hints(type(self)).items():
-            key = f"{self.SECTION}.{name}"
-            object.__setattr__(self, name, _convert(key, getattr(self, name), hint, where=None, from_text=False))
-
-    def _positive(self, name: str, *, optional: bool = False) -> None:
-        value = getattr(self, name)
-        if optional and value is None:
-            return
-        if value <= 0:
-            raise ConfigError(f"{self.SECTION}.{name} must be positive, got {value}", f"{self.SECTION}.{name}")
-
-    def _finite(self, name: str, *, low: float, high: float = math.inf, low_open: bool = False) -> None:
-        value = getattr(self, name)
-        too_low = value <= low if low_open else value < low
-        if not math.isfinite(value) or too_low or value > high:
-            lower = f"> {low}" if low_open else f">= {low}"
-            upper = "" if math.isinf(high) else f" and <= {high}"
-            raise ConfigError(
-                f"{self.SECTION}.{name} must be a finite number {lower}{upper}, got {value}", f"{self.SECTION}.{name}"
-            )
-
-    def _choice(self, name: str, choices: tuple[str, ...]) -> None:
-        value = getattr(self, name)
-        if value not in choices:
-            raise ConfigError(
-                f"{self.SECTION}.{name} must be one of {', '.join(choices)}; got {value!r}", f"{self.SECTION}.{name}"
-            )
-
-
 @dataclass(frozen=True, slots=True)
-class ModelSettings(_Section):
+class ModelSettings:
     """The base model, where it runs, and how the unified GPU pool is sized."""
 
     SECTION: ClassVar[str] = "model"
 
-    model: str | None = field(default=None, metadata=_help(
+    model: str | None = field(default=_ENGINE.model, metadata=_help(
         "Base model directory (HF layout); unset = the built-in demo model.", "/srv/models/llama"))
-    load_format: str = field(default="safetensors", metadata=_help(
+    load_format: str = field(default=_ENGINE.load_format, metadata=_help(
         "safetensors (the checkpoint), or dummy: random weights from config.json alone, for benchmarks at "
         "real model sizes with nothing to download (outputs are meaningless)."))
-    device: str = field(default="auto", metadata=_help("auto (cuda if available, else cpu), cpu, cuda or cuda:N."))
-    dtype: str = field(default="auto", metadata=_help("Weight and activation dtype: auto, float32, bfloat16, float16."))
-    max_lora_rank: int = field(default=256, metadata=_help("Largest adapter rank accepted; larger ones are refused."))
-    lora_backend: str = field(default="auto", metadata=_help("LoRA kernels: auto, torch (reference) or triton."))
-    max_model_len: int | None = field(default=None, metadata=_help(
+    device: str = field(default=_ENGINE.device, metadata=_help("auto (cuda if available, else cpu), cpu, cuda or cuda:N."))
+    dtype: str = field(default=_ENGINE.dtype, metadata=_help("Weight and activation dtype: auto, float32, bfloat16, float16."))
+    max_lora_rank: int = field(default=_ENGINE.max_lora_rank, metadata=_help("Largest adapter rank accepted; larger ones are refused."))
+    lora_backend: str = field(default=_ENGINE.lora_backend, metadata=_help("LoRA kernels: auto, torch (reference) or triton."))
+    max_model_len: int | None = field(default=_ENGINE.max_model_len, metadata=_help(
         "Longest sequence (prompt + output) in tokens; unset = the model's limit.", "4096"))
-    page_tokens: int | None = field(default=None, metadata=_help(
+    page_tokens: int | None = field(default=_ENGINE.page_tokens, metadata=_help(
         "Tokens per KV page of the unified pool; unset = derived from the model.", "16"))
-    num_pages: int | None = field(default=None, metadata=_help(
+    num_pages: int | None = field(default=_ENGINE.num_pages, metadata=_help(
         "Pool size in pages (set at most one of num_pages, pool_bytes).", "4096"))
-    pool_bytes: int | None = field(default=None, metadata=_help(
+    pool_bytes: int | None = field(default=_ENGINE.pool_bytes, metadata=_help(
         "Pool size in bytes; with num_pages also unset, sized from gpu_memory_utilization.", "8589934592"))
-    gpu_memory_utilization: float = field(default=0.9, metadata=_help(
+    gpu_memory_utilization: float = field(default=_ENGINE.gpu_memory_utilization, metadata=_help(
         "Fraction of device memory for weights + pool, in (0, 1]."))
-    adapter_load_mode: str = field(default="auto", metadata=_help(
+    adapter_load_mode: str = field(default=_ENGINE.adapter_load_mode, metadata=_help(
         "How cold adapters reach the GPU: cached (all preloaded), on_demand (copied when needed; see "
         "scheduler.admit_when_loaded), "
         "cpu_assist (CPU workers compute while layer groups load), auto (cpu_assist on CUDA, else on_demand)."))
     load_groups: int = field(default=4, metadata=_help("Layer groups a cold adapter is loaded in (cpu_assist)."))
-    host_store_bytes: int = field(default=256 << 20, metadata=_help(
+    host_store_bytes: int = field(default=_ENGINE.host_store_bytes, metadata=_help(
         "Size of the cache manager's shared-memory host adapter store; adapters beyond it stay on disk "
         "and are loaded when a request needs them (disk -> host -> GPU tiers)."))
-    exchange_max_tokens: int = field(default=2048, metadata=_help(
+    exchange_max_tokens: int = field(default=_ENGINE.exchange_max_tokens, metadata=_help(
         "Most prefill tokens per step that CPU workers can take (cpu_assist)."))
-    load_throttle_bytes_s: float | None = field(default=None, metadata=_help(
+    load_throttle_bytes_s: float | None = field(default=_ENGINE.load_throttle_bytes_s, metadata=_help(
         "Test-only: cap the adapter copy rate on CPU hosts so loads span many layers (one link that "
         "concurrent loads share, as on a GPU's copy stream).", "4e6"))
-    cuda_graphs: bool = field(default=True, metadata=_help(
+    cuda_graphs: bool = field(default=_ENGINE.cuda_graphs, metadata=_help(
         "Replay decode steps of up to scheduler.max_num_seqs rows as captured CUDA graphs (on CUDA with the "
         "triton LoRA backend; elsewhere decode runs eagerly)."))
 
     def __post_init__(self) -> None:
-        self._check_types()
-        if self.model is not None and not self.model:
-            raise ConfigError("model.model must be a non-empty path (or unset for the demo model)", "model.model")
-        if not DEVICE_PATTERN.fullmatch(self.device):
-            raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N; got {self.device!r}", "model.device")
-        self._choice("load_format", LOAD_FORMATS)
-        self._choice("dtype", DTYPES)
-        self._choice("lora_backend", LORA_BACKENDS)
-        self._positive("max_lora_rank")
-        for name in ("max_model_len", "page_tokens", "num_pages", "pool_bytes"):
-            self._positive(name, optional=True)
-        if self.num_pages is not None and self.pool_bytes is not None:
-            raise ConfigError(
-                "model.num_pages and model.pool_bytes both size the pool; set at most one", "model.pool_bytes"
-            )
-        self._finite("gpu_memory_utilization", low=0.0, high=1.0, low_open=True)
-        self._choice("adapter_load_mode", ADAPTER_LOAD_MODES)
-        for name in ("load_groups", "host_store_bytes", "exchange_max_tokens"):
-            self._positive(name)
-        if self.load_throttle_bytes_s is not None:
-            self._finite("load_throttle_bytes_s", low=0.0, low_open=True)
-
-    def resolved_load_mode(self, cuda: bool) -> str:
-        if self.adapter_load_mode != "auto":
-            return self.adapter_load_mode
-        return "cpu_assist" if cuda else "on_demand"
+        checks = Checks(self, "model.")
+        checks.types()
+        check_engine_settings(checks)
+        checks.positive("load_groups")
 
     @property
     def uses_demo_model(self) -> bool:
@@ -177,27 +114,27 @@ class ModelSettings(_Section):
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerSettings(_Section):
+class SchedulerSettings:
     """Iteration-level batching limits and the policy choosing each batch."""
 
     SECTION: ClassVar[str] = "scheduler"
 
     policy: str = field(default="fcfs", metadata=_help(f"Scheduling policy: {', '.join(SCHEDULER_POLICIES)}."))
-    max_num_seqs: int = field(default=64, metadata=_help("Most sequences in one iteration's batch."))
-    max_batched_tokens: int = field(default=2048, metadata=_help("Token budget of one iteration (prefill + decode)."))
-    max_loras_per_batch: int = field(default=64, metadata=_help("Most distinct adapters in one iteration's batch."))
+    max_num_seqs: int = field(default=_SCHEDULER.max_num_seqs, metadata=_help("Most sequences in one iteration's batch."))
+    max_batched_tokens: int = field(default=_SCHEDULER.max_batched_tokens, metadata=_help("Token budget of one iteration (prefill + decode)."))
+    max_loras_per_batch: int = field(default=_SCHEDULER.max_loras_per_batch, metadata=_help("Most distinct adapters in one iteration's batch."))
     ttft_slo_ms: float | None = field(default=None, metadata=_help(
         "Early abort (S-LoRA 4.3): refuse queued requests predicted to miss this time to first token.", "2000"))
-    cluster_adapters: bool = field(default=False, metadata=_help(
+    cluster_adapters: bool = field(default=_SCHEDULER.cluster_adapters, metadata=_help(
         "Prefer admitting requests whose adapter is already running (S-LoRA adapter clustering)."))
-    cache_policy: str = field(default="lru", metadata=_help(
+    cache_policy: str = field(default=_SCHEDULER.cache_policy, metadata=_help(
         "GPU adapter cache eviction: none (free on last use), lru, fifo or cost (Chameleon score)."))
     cache_predictor: bool = field(default=False, metadata=_help(
         "Also prefetch into free GPU pages the adapters a histogram of their past arrival gaps expects "
         "within cache_predictor_horizon_s (only those already in the host store)."))
-    cache_predictor_horizon_s: float = field(default=5.0, metadata=_help(
+    cache_predictor_horizon_s: float = field(default=_PREDICTOR.horizon_s, metadata=_help(
         "cache_predictor: how far ahead an expected arrival counts."))
-    admit_when_loaded: bool = field(default=True, metadata=_help(
+    admit_when_loaded: bool = field(default=_SCHEDULER.admit_when_loaded, metadata=_help(
         "on_demand loads: a request whose adapter is still being copied to the GPU waits in the queue "
         "while the batch runs on, instead of stalling every request in the step on the copy."))
     router: str = field(default="most_idle", metadata=_help(
@@ -213,20 +150,19 @@ class SchedulerSettings(_Section):
         "dlora router: seconds between checks for request-adapter co-migration across engines."))
 
     def __post_init__(self) -> None:
-        self._check_types()
-        if self.ttft_slo_ms is not None:
-            self._finite("ttft_slo_ms", low=0.0, low_open=True)
-        self._choice("policy", SCHEDULER_POLICIES)
-        self._choice("cache_policy", CACHE_POLICIES)
-        self._choice("router", tuple(ROUTERS))
-        self._choice("router_kernel", ("bgmv", "mbgmv"))
-        self._finite("tpt_slo_ms", low=0.0, low_open=True)
-        self._finite("rebalance_interval_s", low=0.0, low_open=True)
-        self._finite("cache_predictor_horizon_s", low=0.0, low_open=True)
-        if self.router_profile == "":
-            raise ConfigError("scheduler.router_profile must be a path or unset", "scheduler.router_profile")
+        checks = Checks(self, "scheduler.")
+        checks.types()
+        checks.finite("ttft_slo_ms", low=0.0, low_open=True, optional=True)
+        checks.choice("policy", SCHEDULER_POLICIES)
+        checks.choice("cache_policy", CACHE_POLICIES)
+        checks.choice("router", tuple(ROUTERS))
+        checks.choice("router_kernel", ("bgmv", "mbgmv"))
+        checks.finite("tpt_slo_ms", low=0.0, low_open=True)
+        checks.finite("rebalance_interval_s", low=0.0, low_open=True)
+        checks.finite("cache_predictor_horizon_s", low=0.0, low_open=True)
+        checks.path("router_profile", "a path or unset")
         for name in ("max_num_seqs", "max_batched_tokens", "max_loras_per_batch"):
-            self._positive(name)
+            checks.positive(name)
         if self.max_batched_tokens < self.max_num_seqs:
             # Every running sequence needs at least one token of budget per iteration.
             raise ConfigError(
@@ -237,7 +173,7 @@ class SchedulerSettings(_Section):
 
 
 @dataclass(frozen=True, slots=True)
-class ServerSettings(_Section):
+class ServerSettings:
     """Where the daemon listens and keeps state, its timeouts and its limits."""
 
     SECTION: ClassVar[str] = "server"
@@ -271,7 +207,7 @@ class ServerSettings(_Section):
     max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata=_help("Largest message accepted."))
     max_clients_inflight: int = field(default=4096, metadata=_help("Most requests in flight over all clients."))
     stats_interval_s: float = field(default=0.25, metadata=_help("Seconds between stats snapshots on the PUB socket."))
-    adapter_dirs: tuple[str, ...] = field(default=(), metadata=_help(
+    adapter_dirs: tuple[str, ...] = field(default=_ENGINE.adapter_dirs, metadata=_help(
         "Adapter paths must lie under one of these directories; empty = anywhere."))
     cpu_workers: int | None = field(default=None, metadata=_help(
         "CPU LoRA worker processes (cpu_assist); unset = the spare cores, at least 2.", "4"))
@@ -283,7 +219,7 @@ class ServerSettings(_Section):
         "Append one JSON line per scheduled step (engine, step, requests admitted, rows) to this file; "
         "`loraplex sim --decision-log` writes the same lines for a simulated trace. Unset = off.",
         "/var/log/loraplex/decisions.jsonl"))
-    # -- input bounds and socket access (issue 20) --
+    # -- input bounds and socket access --
     tokenizer_threads: int = field(default=2, metadata=_help(
         "Threads that tokenize text prompts, off the event loop (one client's long prompts never delay "
         "another's tokens)."))
@@ -297,61 +233,53 @@ class ServerSettings(_Section):
         "Let this group use admin.sock (mode 0660, that group; the runtime directory becomes 0710 with "
         "that group); unset = the daemon's user only (0600).", "loraplex-admin"))
 
-    # ---- hardening (issue 20): adapter files and start-up -------------------------------------
+    # ---- adapter files and start-up ---------------------------------------------------------------
     adapter_read_timeout_s: float = field(default=30.0, metadata=_help(
         "Seconds the daemon waits for an adapter's files to be read (hashed) before refusing it; a slow or "
         "hung filesystem never blocks the admin socket, only the one add that reads from it."))
 
     def __post_init__(self) -> None:
-        self._check_types()
-        self._finite("adapter_read_timeout_s", low=0.0, low_open=True)
+        checks = Checks(self, "server.")
+        checks.types()
+        checks.finite("adapter_read_timeout_s", low=0.0, low_open=True)
         for name in ("runtime_dir", "state_dir"):
-            if getattr(self, name) == "":
-                raise ConfigError(f"server.{name} must be a non-empty path or unset", f"server.{name}")
+            checks.path(name)
         if self.tcp_listen is not None:
             match = _TCP_ENDPOINT.fullmatch(self.tcp_listen)
             if match is None or not 1 <= int(match["port"]) <= 65535:
-                raise ConfigError(
-                    f"server.tcp_listen must look like tcp://HOST:PORT with PORT in 1..65535, got {self.tcp_listen!r}",
-                    "server.tcp_listen",
-                )
+                checks.fail("tcp_listen", f"server.tcp_listen must look like tcp://HOST:PORT with PORT in 1..65535, "
+                                          f"got {self.tcp_listen!r}")
         curve = {"tcp_curve_secret_key_file": self.tcp_curve_secret_key_file,
                  "tcp_curve_allowed_keys": self.tcp_curve_allowed_keys}
         for name, value in curve.items():
-            if value == "":
-                raise ConfigError(f"server.{name} must be a non-empty path or unset", f"server.{name}")
+            checks.path(name)
             if value is None and any(v is not None for v in curve.values()):
-                raise ConfigError(f"server.{name} must be set too: CURVE needs the server's secret key and the "
-                                  "allowed client keys", f"server.{name}")
-        self._finite("drain_timeout_s", low=0.0)
+                checks.fail(name, f"server.{name} must be set too: CURVE needs the server's secret key and the "
+                                  "allowed client keys")
+        checks.finite("drain_timeout_s", low=0.0)
         for name in ("engine_start_timeout_s", "engine_step_timeout_s", "stats_interval_s"):
-            self._finite(name, low=0.0, low_open=True)
-        self._finite("heartbeat_timeout_s", low=1.0)  # several beats, so one late beat is no false alarm
+            checks.finite(name, low=0.0, low_open=True)
+        checks.finite("heartbeat_timeout_s", low=1.0)  # several beats, so one late beat is no false alarm
         if self.max_message_bytes < 4096:
-            raise ConfigError(
-                f"server.max_message_bytes must be >= 4096, got {self.max_message_bytes}", "server.max_message_bytes"
-            )
-        self._positive("max_clients_inflight")
-        self._positive("cpu_workers", optional=True)
-        self._positive("max_requests_per_client")
-        self._positive("engines")
+            checks.fail("max_message_bytes", f"server.max_message_bytes must be >= 4096, got {self.max_message_bytes}")
+        for name in ("max_clients_inflight", "max_requests_per_client", "engines"):
+            checks.positive(name)
+        checks.positive("cpu_workers", optional=True)
         if any(not d for d in self.adapter_dirs):
-            raise ConfigError("server.adapter_dirs must not contain empty paths", "server.adapter_dirs")
-        self._check_access()
+            checks.fail("adapter_dirs", "server.adapter_dirs must not contain empty paths")
+        self._check_access(checks)
 
-    def _check_access(self) -> None:
+    def _check_access(self, checks: Checks) -> None:
         """The input bounds, and no open TCP port unless the operator says so."""
-        self._positive("tokenizer_threads")
-        self._positive("max_queued_prompt_bytes_per_client")
-        if self.admin_group == "":
-            raise ConfigError("server.admin_group must be a group name or unset", "server.admin_group")
+        checks.positive("tokenizer_threads")
+        checks.positive("max_queued_prompt_bytes_per_client")
+        checks.path("admin_group", "a group name or unset")
         if self.tcp_listen is not None and self.tcp_curve_secret_key_file is None and not self.tcp_insecure \
                 and not is_loopback_endpoint(self.tcp_listen):
-            raise ConfigError(
-                f"server.tcp_listen {self.tcp_listen} is reachable from other hosts and has no CURVE keys, so anyone "
-                "who reaches it could generate and read stats: set server.tcp_curve_secret_key_file and "
-                "server.tcp_curve_allowed_keys, listen on 127.0.0.1, or set server.tcp_insecure = true",
-                "server.tcp_listen")
+            checks.fail("tcp_listen",
+                        f"server.tcp_listen {self.tcp_listen} is reachable from other hosts and has no CURVE keys, so "
+                        "anyone who reaches it could generate and read stats: set server.tcp_curve_secret_key_file "
+                        "and server.tcp_curve_allowed_keys, listen on 127.0.0.1, or set server.tcp_insecure = true")
 
     @property
     def resolved_runtime_dir(self) -> Path:
@@ -407,8 +335,18 @@ class LoraplexConfig:
                               f"{self.server.engines}", "server.engines")
         object.__setattr__(self, "adapters", tuple((name, path) for name, path in self.adapters))
 
+    def engine_spec(self, shm_instance: str | None = None) -> EngineSpec:
+        """What every child process (engine, cache manager) is started with, built from these
+        settings once: the [model] section's engine settings, the largest batch (the largest decode
+        graph) and the adapter directories (children check every adapter file too)."""
+        return EngineSpec(**{name: getattr(self.model, name) for name in ENGINE_SETTINGS},
+                          max_num_seqs=self.scheduler.max_num_seqs, adapter_dirs=self.server.adapter_dirs,
+                          shm_instance=shm_instance)
 
-SECTIONS: dict[str, type[_Section]] = {"model": ModelSettings, "scheduler": SchedulerSettings, "server": ServerSettings}
+
+SECTIONS: dict[str, type] = {"model": ModelSettings, "scheduler": SchedulerSettings, "server": ServerSettings}
+# The [model] settings that go to the engine as they are; the others (load_groups) stay in the daemon.
+ENGINE_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(ModelSettings) if f.name in _ENGINE_FIELDS)
 
 
 def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -468,19 +406,21 @@ def load_config(
     Raises ConfigError (a ValueError) naming the key and where its value came from.
     """
     env = os.environ if env is None else env
-    layers = _Layers()
+    builder = _ConfigBuilder()
     if path is None and env.get(ENV_CONFIG):
         path = env[ENV_CONFIG]
     if path is not None:
-        layers.read_file(Path(path).expanduser())
-    layers.read_env(env)
+        builder.read_file(Path(path).expanduser())
+    builder.read_env(env)
     if overrides:
-        layers.read_overrides(overrides)
-    return layers.build()
+        builder.read_overrides(overrides)
+    return builder.build()
 
 
-class _Layers:
-    """Typed values per "section.field" with the place each came from, applied in precedence order."""
+class _ConfigBuilder:
+    """Collects each setting from the sources in precedence order (file, environment, flags; a later
+    one wins), typed and with the place it came from, then builds the checked LoraplexConfig, naming
+    that place in any error."""
 
     def __init__(self) -> None:
         self.values: dict[str, dict[str, object]] = {name: {} for name in SECTIONS}
@@ -489,7 +429,7 @@ class _Layers:
 
     def set(self, key: str, raw: object, where: str, *, from_text: bool, base: Path) -> None:
         section, name = key.split(".", 1)
-        value = _convert(key, raw, _hints(SECTIONS[section])[name], where=where, from_text=from_text)
+        value = convert(key, raw, field_types(SECTIONS[section])[name], where=where, from_text=from_text)
         if key in _PATH_KEYS and value is not None:
             value = tuple(_anchor(p, base) for p in value) if isinstance(value, tuple) else _anchor(value, base)
         self.values[section][name] = value
@@ -520,7 +460,7 @@ class _Layers:
                 for name, adapter_dir in table.items():
                     self.add_adapter(name, adapter_dir, where, base)
                 continue
-            names = _hints(SECTIONS[top])
+            names = field_types(SECTIONS[top])
             for name, raw in table.items():
                 if name not in names:
                     raise ConfigError(
@@ -540,8 +480,8 @@ class _Layers:
                 if section is None:
                     continue  # another component's variable (LORAPLEX_CACHE_DIR, LORAPLEX_CONFIG, ...)
                 name = var[len(ENV_PREFIX) + len(section) + 1:].lower()
-                if name not in _hints(SECTIONS[section]):
-                    valid = ", ".join(env_var(f"{section}.{n}") for n in _hints(SECTIONS[section]))
+                if name not in field_types(SECTIONS[section]):
+                    valid = ", ".join(env_var(f"{section}.{n}") for n in field_types(SECTIONS[section]))
                     raise ConfigError(f"unknown environment variable {var}; valid for [{section}]: {valid}", var)
                 key = f"{section}.{name}"
             if key in targets and targets[key][1] != env[var]:
@@ -553,7 +493,7 @@ class _Layers:
 
     def read_overrides(self, overrides: Mapping[str, object]) -> None:
         cwd = Path.cwd()
-        valid = [f"{s}.{n}" for s, cls in SECTIONS.items() for n in _hints(cls)] + ["adapters"]
+        valid = [f"{s}.{n}" for s, cls in SECTIONS.items() for n in field_types(cls)] + ["adapters"]
         for key, raw in overrides.items():
             if key not in valid:
                 raise ConfigError(f"unknown setting {key!r}; valid: {', '.join(valid)}", key)
@@ -608,75 +548,6 @@ def _anchor(path: str, base: Path) -> str:
     return os.path.abspath(os.path.join(base, os.path.expanduser(path)))
 
 
-@lru_cache(maxsize=None)
-def _hints(cls: type) -> dict[str, Any]:
-    """Field name -> resolved type of a section dataclass, in declaration order."""
-    resolved = get_type_hints(cls)
-    return {f.name: resolved[f.name] for f in fields(cls)}
-
-
-def _convert(key: str, raw: object, hint: Any, *, where: str | None, from_text: bool) -> object:
-    """Check `raw` against `hint` (parsing it first when it is text from env or a flag); ConfigError if it fits not."""
-    origin, args = get_origin(hint), get_args(hint)
-    optional = origin in (Union, types.UnionType) and type(None) in args
-    if optional:
-        if raw is None or (from_text and isinstance(raw, str) and raw.strip().lower() in _NONE_WORDS):
-            return None
-        hint = next(a for a in args if a is not type(None))
-    value = _parse_text(raw, hint) if from_text and isinstance(raw, str) else raw
-    checked = _check_type(value, hint)
-    if checked is _MISMATCH:
-        source = f" (from {where})" if where else ""
-        expected = _describe(hint) + (" or unset" if optional else "")
-        raise ConfigError(f"{key}: expected {expected}, got {raw!r}{source}", key)
-    return checked
-
-
-_MISMATCH = object()
-
-
-def _parse_text(text: str, hint: Any) -> object:
-    """Text (environment, flags) -> the hint's type; returns the text unchanged when it does not parse."""
-    s = text.strip()
-    try:
-        if hint is bool:
-            low = s.lower()
-            return True if low in _TRUE_WORDS else False if low in _FALSE_WORDS else text
-        if hint is int:
-            return int(s)
-        if hint is float:
-            return float(s)
-    except ValueError:
-        return text
-    if get_origin(hint) is tuple:
-        return tuple(part.strip() for part in s.split(",") if part.strip())
-    return text
-
-
-def _check_type(value: object, hint: Any) -> object:
-    """`value` normalised to `hint` (ints widen to float, lists become tuples), or _MISMATCH."""
-    if hint is bool:
-        return value if isinstance(value, bool) else _MISMATCH
-    if hint is int:
-        return value if isinstance(value, int) and not isinstance(value, bool) else _MISMATCH
-    if hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return float(value) if ok else _MISMATCH
-    if hint is str:
-        return value if isinstance(value, str) else _MISMATCH
-    if get_origin(hint) is tuple:
-        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-            return tuple(value)
-        return _MISMATCH
-    raise TypeError(f"config field type {hint!r} has no parser")  # a bug in this module, not bad input
-
-
-def _describe(hint: Any) -> str:
-    if get_origin(hint) is tuple:
-        return "a list of strings (comma-separated in the environment)"
-    return {bool: "a boolean (true/false, yes/no, 1/0)", int: "an integer", float: "a number", str: "a string"}[hint]
-
-
 # ---- rendering -------------------------------------------------------------------------------
 
 
@@ -685,7 +556,7 @@ def config_to_dict(cfg: LoraplexConfig) -> dict[str, object]:
     out: dict[str, object] = {}
     for name in SECTIONS:
         section = getattr(cfg, name)
-        out[name] = {f: _plain(getattr(section, f)) for f in _hints(type(section))}
+        out[name] = {f: _plain(getattr(section, f)) for f in field_types(type(section))}
     out["adapters"] = dict(cfg.adapters)
     return out
 
@@ -709,7 +580,7 @@ def render_toml(cfg: LoraplexConfig, *, comments: bool = True) -> str:
                 lines.append(f"# {f.metadata['help']}  (env {env_var(f'{name}.{f.name}')})")
             if value is None:
                 if comments:
-                    lines.append(f"# {f.name} = {_toml_value(_example(f.metadata, _hints(cls)[f.name]))}")
+                    lines.append(f"# {f.name} = {_toml_value(_example(f.metadata, field_types(cls)[f.name]))}")
             else:
                 lines.append(f"{f.name} = {_toml_value(value)}")
         lines.append("")

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
 from loraplex.daemon.config import LoraplexConfig
-from loraplex.daemon.engine_link import EngineDied, EngineLink, EngineRefused
-from loraplex.daemon.cache.predictor import PredictorConfig
+from loraplex.daemon.child_link import EngineDied, EngineRefused
+from loraplex.daemon.engine_link import EngineLink
+from loraplex.daemon.gpu_cache.predictor import PredictorConfig
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.router.snapshot import StepTimes, engine_state
 from loraplex.daemon.router.state import EngineState
@@ -45,8 +46,7 @@ class EngineSlot:
         self.host_resident: Callable[[str], bool] | None = None
         self.pending: list[SeqRequest] = []  # routed here while the engine (re)starts
         self.carried: list[Sequence] = []  # sequences of a dead engine awaiting recompute
-        self.work = asyncio.Event()
-        self.loop_task: asyncio.Task | None = None
+        self.work = asyncio.Event()  # set when this engine may have a step to run
         self.policy_switch: str | None = None
         self.moves: list[tuple[str, int]] = []  # (request id, target engine), done between two steps
         self.tokens = 0  # tokens computed (prefill + decode), for the router's rate
@@ -76,18 +76,20 @@ class EngineSlot:
         if self.scheduler is None or hello is None:
             return EngineState(engine_id=self.index, max_num_seqs=max_seqs, healthy=False)
 
-        def rank_of(name: str) -> int:
-            entry = adapters.get(name)
-            return entry.rank if entry is not None else 0
-
         def bytes_of(name: str, rank: int) -> int:
             entry = adapters.get(name)
             return entry.nbytes if entry is not None else 0
 
         link = 0.0 if self.load_mode == "cached" else hello.link_bytes_per_s
-        return engine_state(self.index, self.scheduler, rank_of=rank_of, bytes_of=bytes_of, max_num_seqs=max_seqs,
+        return engine_state(self.index, self.scheduler, rank_of=adapters.rank_of, bytes_of=bytes_of, max_num_seqs=max_seqs,
                             total_pages=hello.num_pages, tokens_per_s=self.tokens_per_s, load_bytes_per_s=link,
                             healthy=self.healthy, steps=self.step_times, now=time.monotonic())
+
+    def attach_store(self, segment: str) -> None:
+        """The cache manager's host store: adapters come from it, and the engine, when it (re)starts,
+        attaches it instead of making its own."""
+        self.store_segment = segment
+        self.link.store_segment = segment
 
     # ---- requests ---------------------------------------------------------------------------
     def enqueue(self, seq: SeqRequest) -> None:

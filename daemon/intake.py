@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.daemon.serving_adapters import Rejected
+from loraplex.daemon.rejected import Rejected
 from loraplex.ipc.errors import ErrorCode
 
 log = logging.getLogger("loraplex.daemon")

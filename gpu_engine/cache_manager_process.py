@@ -15,13 +15,14 @@ import os
 import traceback
 
 from loraplex.contracts.geometry import PageGeometry, plan_adapter_layout
+from loraplex.contracts.engine_spec import EngineSpec
 from loraplex.errors import LoraplexRequestError
 from loraplex.gpu_engine.child_process import run_child
 from loraplex.gpu_engine.host_store import HostStore, StoreFull
 from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
 from loraplex.gpu_engine.model.config import ModelConfig
-from loraplex.gpu_engine.runtime import DTYPES, EngineSpec
-from loraplex.ipc.adapter_files import allow_also
+from loraplex.gpu_engine.runtime import DTYPES, resolve_spec
+from loraplex.ipc.adapter_files import allow_also, resolve_roots
 from loraplex.ipc.adapter_store import ArenaAllocator, store_entry_layout
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
@@ -44,11 +45,11 @@ class CacheManager:
     def __init__(self, spec: EngineSpec) -> None:
         if not spec.host_store_segment:
             raise ValueError("the daemon names the store segment (spec.host_store_segment)")
-        self.spec = spec.resolved()  # model dir and dtype resolved exactly as the engines resolve them
+        self.spec = resolve_spec(spec)  # model dir and dtype resolved exactly as the engines resolve them
         self.config = ModelConfig.from_dir(self.spec.model or "")
         self.geometry = PageGeometry.for_model(self.config.module_shapes(), self.config.kv_dim, self.spec.page_tokens)
         self.dtype = DTYPES[self.spec.dtype]
-        self.roots = self.spec.adapter_roots
+        self.roots = resolve_roots(self.spec.adapter_dirs)  # where adapter files may resolve
         # Never pinned here: this process has no CUDA context; each engine registers its own mapping.
         self.store = HostStore(spec.host_store_segment, spec.host_store_bytes, self.dtype, pin=False)
 

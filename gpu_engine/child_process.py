@@ -22,8 +22,8 @@ from typing import Callable, TypeVar
 
 import zmq
 
+from loraplex.contracts.engine_spec import EngineSpec
 from loraplex.gpu_engine.model.config import UnsupportedModelError
-from loraplex.gpu_engine.runtime import EngineSpec
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.heartbeat import HEARTBEAT_FD_FLAG, start_beating
 from loraplex.ipc.protocol import EngineFailure
@@ -31,6 +31,7 @@ from loraplex.ipc.shm import unlink_owned
 from loraplex.ipc.socket_options import DEFAULT_SOCKET_LIMITS
 from loraplex.ipc.sockets import TypedSocket, make_dealer
 from loraplex.lifetime import die_with_parent
+from loraplex.contracts.settings import ConfigError
 
 State = TypeVar("State")
 LINGER_MS = 2000  # how long closing the daemon socket may wait for a last message to go out
@@ -42,7 +43,7 @@ def run_child(role: str, what: str, argv: list[str] | None, start: Callable[[Eng
     until shut down (serve closes what start opened). Exit status 2 when start fails."""
     parser = argparse.ArgumentParser(prog=role, description=f"loraplex {what} process (started by the daemon)")
     parser.add_argument("--endpoint", required=True, help=f"the daemon's private {what} endpoint")
-    parser.add_argument("--spec", required=True, help="EngineSpec fields as a JSON object")
+    parser.add_argument("--spec", required=True, help="the EngineSpec as a JSON object (loraplex/contracts/engine_spec.py)")
     parser.add_argument(HEARTBEAT_FD_FLAG, type=int, default=None, help="pipe to write heartbeats to (inherited)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"{role} %(levelname)s %(message)s", stream=sys.stderr)
@@ -58,12 +59,12 @@ def run_child(role: str, what: str, argv: list[str] | None, start: Callable[[Eng
     sock = make_dealer(ctx, args.endpoint, limits=dataclasses.replace(DEFAULT_SOCKET_LIMITS, linger_ms=LINGER_MS))
     try:
         try:
-            spec = EngineSpec(**json.loads(args.spec))
+            spec = EngineSpec.from_json(args.spec)
             state = start(spec)
         except Exception as exc:  # report why we cannot start, then exit: restarting will not help
             # A refusal of what it was given (an unsupported model_type, an unreadable or missing
             # file) is one line; anything else is a bug, and its traceback is what its fixer needs.
-            expected = isinstance(exc, (UnsupportedModelError, json.JSONDecodeError, OSError))
+            expected = isinstance(exc, (UnsupportedModelError, ConfigError, json.JSONDecodeError, OSError))
             log.error("%s failed to start: %s", what, exc if expected else traceback.format_exc())
             sock.send(EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"{what} failed to start: {exc}",
                                     fatal=True))

@@ -16,14 +16,15 @@ import traceback
 import torch
 
 from loraplex.contracts.geometry import AdapterLayout
+from loraplex.contracts.engine_spec import EngineSpec
 from loraplex.errors import LoraplexRequestError
 from loraplex.gpu_engine.child_process import run_child
 from loraplex.gpu_engine.faults import install_faults
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter, load_peft_adapter
 from loraplex.gpu_engine.malloc_arenas import bound_malloc_arenas
-from loraplex.gpu_engine.runtime import EngineRuntime, EngineSpec, build_runtime
+from loraplex.gpu_engine.runtime import EngineRuntime, build_runtime
 from loraplex.gpu_engine.store_reader import StoreReader
-from loraplex.ipc.adapter_files import allow_also
+from loraplex.ipc.adapter_files import allow_also, resolve_roots
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
     EngineAdapterLoaded,
@@ -123,7 +124,7 @@ class EngineServer:
         self.demo = demo
         self.resources = resources
         self.stores = StoreReader(pin=runtime.executor.device.type == "cuda")  # the cache manager's store
-        self.roots = runtime.spec.adapter_roots  # where adapter files may resolve (server.adapter_dirs)
+        self.roots = resolve_roots(runtime.spec.adapter_dirs)  # where adapter files may resolve (server.adapter_dirs)
 
     def serve(self) -> None:
         hello = hello_for(self.runtime, self.demo, self.resources)

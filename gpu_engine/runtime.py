@@ -13,89 +13,42 @@ from pathlib import Path
 import torch
 
 from loraplex.contracts.geometry import PageGeometry
+from loraplex.contracts.engine_spec import EngineSpec
 from loraplex.gpu_engine.executor import Executor
-from loraplex.gpu_engine.lora.backend import LORA_BACKENDS
 from loraplex.gpu_engine.model.config import ModelConfig
-from loraplex.gpu_engine.model.weights import LOAD_FORMATS, load_weights, random_weights
+from loraplex.gpu_engine.model.weights import load_weights, random_weights
 from loraplex.gpu_engine.pool import UnifiedPool
-from loraplex.ipc.adapter_files import resolve_roots
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_POOL_BYTES = 512 << 20
-DEFAULT_GRAPH_BATCH = 64  # largest captured decode batch when the caller does not say (LLM's max_num_seqs)
 
 
-@dataclass(frozen=True, slots=True)
-class EngineSpec:
-    model: str | None = None  # None = the built-in demo model
-    load_format: str = "safetensors"  # or dummy: random weights from config.json alone (benchmarks)
-    device: str = "cpu"  # cpu, cuda, cuda:N or auto
-    dtype: str = "float32"  # or auto: bfloat16 on CUDA, float32 on CPU
-    max_lora_rank: int = 256
-    lora_backend: str = "torch"  # or auto: triton on CUDA, torch on CPU
-    num_pages: int | None = None
-    pool_bytes: int | None = None
-    page_tokens: int | None = None
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    # Test-only: cap the host->pool adapter copy rate on CPU so loads span many layers.
-    load_throttle_bytes_s: float | None = None
-    adapter_load_mode: str = "on_demand"  # or cached, cpu_assist, auto (cpu_assist on CUDA)
-    load_groups: int = 1
-    host_store_bytes: int = 256 << 20
-    exchange_max_tokens: int = 2048
-    shm_instance: str | None = None  # names the shared-memory segments (set by the daemon)
-    host_store_segment: str = ""  # set by the daemon: the cache manager's store; the engine only attaches it
-    replica: int = 0  # which of the daemon's engines this is: `cuda` means GPU (replica mod GPU count)
-    cuda_graphs: bool = True  # capture decode steps as CUDA graphs (effective on CUDA with lora_backend=triton)
-    max_num_seqs: int = DEFAULT_GRAPH_BATCH  # the largest decode batch: the largest graph bucket
-    adapter_dirs: tuple[str, ...] = ()  # server.adapter_dirs: every adapter file must resolve inside (empty: anywhere)
+def resolve_spec(spec: EngineSpec) -> EngineSpec:
+    """The spec with its `auto` values replaced by what this machine supports, and the built-in demo
+    model when none is set: the one place they are resolved. The engine reports the result in its
+    hello; the cache manager resolves the same spec the same way, so both agree on the dtype."""
+    cuda = torch.cuda.is_available()
+    device = ("cuda" if cuda else "cpu") if spec.device == "auto" else spec.device
+    if device == "cuda" and cuda:  # one engine per GPU; more engines than GPUs share them round-robin
+        device = f"cuda:{spec.replica % torch.cuda.device_count()}"
+    if device.startswith("cuda") and not cuda:
+        raise ValueError(f"device={device!r} requested but CUDA is not available")
+    on_gpu = device.startswith("cuda")
+    dtype = ("bfloat16" if on_gpu else "float32") if spec.dtype == "auto" else spec.dtype
+    backend = ("triton" if on_gpu else "torch") if spec.lora_backend == "auto" else spec.lora_backend
+    mode = ("cpu_assist" if on_gpu else "on_demand") if spec.adapter_load_mode == "auto" else spec.adapter_load_mode
+    model = spec.model
+    if model is None:
+        from loraplex.gpu_engine.demo import builtin_demo
 
-    @property
-    def adapter_roots(self) -> tuple[str, ...]:
-        """adapter_dirs resolved (symlinks, `~`), as adapter files are checked against them."""
-        return resolve_roots(self.adapter_dirs)
-
-    def resolved(self) -> EngineSpec:
-        """Replace the `auto` values by what this machine supports; validate the rest."""
-        cuda = torch.cuda.is_available()
-        device = ("cuda" if cuda else "cpu") if self.device == "auto" else self.device
-        if device == "cuda" and cuda:  # one engine per GPU; more engines than GPUs share them round-robin
-            device = f"cuda:{self.replica % torch.cuda.device_count()}"
-        if device.startswith("cuda") and not cuda:
-            raise ValueError(f"device={device!r} requested but CUDA is not available")
-        if device != "cpu" and not device.startswith("cuda"):
-            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {device!r}")
-        dtype = ("bfloat16" if device.startswith("cuda") else "float32") if self.dtype == "auto" else self.dtype
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or auto, got {self.dtype!r}")
-        backend = ("triton" if device.startswith("cuda") else "torch") if self.lora_backend == "auto" \
-            else self.lora_backend
-        if backend not in LORA_BACKENDS:
-            raise ValueError(f"lora_backend must be one of {LORA_BACKENDS} or auto, got {self.lora_backend!r}")
-        if not isinstance(self.max_lora_rank, int) or self.max_lora_rank <= 0:
-            raise ValueError(f"max_lora_rank must be a positive integer, got {self.max_lora_rank!r}")
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
-        model = self.model
-        if model is None:
-            from loraplex.gpu_engine.demo import builtin_demo
-
-            model = str(builtin_demo().model_dir)
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        mode = self.adapter_load_mode
-        if mode == "auto":
-            mode = "cpu_assist" if device.startswith("cuda") else "on_demand"
-        if mode not in ("cached", "on_demand", "cpu_assist"):
-            raise ValueError(f"adapter_load_mode must be auto, cached, on_demand or cpu_assist, got {mode!r}")
-        return dataclasses.replace(self, model=model, device=device, dtype=dtype, lora_backend=backend,
-                                   adapter_load_mode=mode, adapter_dirs=tuple(self.adapter_dirs))
+        model = str(builtin_demo().model_dir)
+    return dataclasses.replace(spec, model=model, device=device, dtype=dtype, lora_backend=backend,
+                               adapter_load_mode=mode)
 
 
 @dataclass(slots=True)
 class EngineRuntime:
-    spec: EngineSpec  # resolved
+    spec: EngineSpec  # resolved (resolve_spec)
     config: ModelConfig
     geometry: PageGeometry
     executor: Executor
@@ -110,7 +63,7 @@ class EngineRuntime:
 def build_runtime(spec: EngineSpec, *, max_num_seqs: int | None = None) -> EngineRuntime:
     """The engine's model, pool and executor for `spec`; decode graphs are captured for batches up to
     `max_num_seqs` (default spec.max_num_seqs)."""
-    spec = spec.resolved()
+    spec = resolve_spec(spec)
     model_dir = Path(spec.model or "")
     device, dtype = torch.device(spec.device), DTYPES[spec.dtype]
     config = ModelConfig.from_dir(model_dir)

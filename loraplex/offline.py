@@ -20,9 +20,10 @@ from loraplex.contracts.names import NAME_RULE, is_valid_name
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.scheduler.fcfs import FcfsScheduler, SchedulerConfig
 from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
+from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS, EngineSpec
 from loraplex.errors import AdapterError, InvalidTokenError, PromptTooLongError, UnknownAdapterError
 from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
-from loraplex.gpu_engine.runtime import EngineSpec, build_runtime
+from loraplex.gpu_engine.runtime import build_runtime
 from loraplex.ipc.engine_plan import SamplingSpec
 
 Prompt = str | list[int]
@@ -73,7 +74,8 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: str = "float32",
                  max_lora_rank: int = 256, lora_backend: str = "torch", num_pages: int | None = None,
-                 pool_bytes: int | None = None, page_tokens: int | None = None, max_num_seqs: int = 64,
+                 pool_bytes: int | None = None, page_tokens: int | None = None,
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_batched_tokens: int = 2048, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.9, load_groups: int = 1,
                  load_throttle_bytes_s: float | None = None, cuda_graphs: bool = True,
@@ -97,7 +99,7 @@ class LLM:
         self.scheduler = FcfsScheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
                             max_model_len=self.max_model_len, load_groups=load_groups,
-                            admit_when_loaded=admit_when_loaded),
+                            max_loras_per_batch=0, admit_when_loaded=admit_when_loaded),
             self.geometry, self.allocator, self._adapter_pages, self.config.eos_token_ids,
         )
         self.tokenizer = self._load_tokenizer()

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from loraplex.daemon.cache.policies import POLICY_NAMES, CostPolicy, CostWeights, make_policy
+from loraplex.daemon.gpu_cache.policies import POLICY_NAMES, CostPolicy, CostWeights, make_policy
 from loraplex.daemon.memory.adapter_residency import AdapterResidency
 from loraplex.daemon.memory.allocator import ADAPTER, KV, PageAllocator
 

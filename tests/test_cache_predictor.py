@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraplex.daemon.cache.predictor import ArrivalPredictor, PredictorConfig
+from loraplex.daemon.gpu_cache.predictor import ArrivalPredictor, PredictorConfig
 
 
 def beat(pred: ArrivalPredictor, name: str, start: float, period: float, n: int) -> float:

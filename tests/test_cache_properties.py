@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from loraplex.daemon.cache.policies import POLICY_NAMES, CostWeights
+from loraplex.daemon.gpu_cache.policies import POLICY_NAMES, CostWeights
 from loraplex.daemon.memory.adapter_residency import AdapterResidency
 from loraplex.daemon.memory.allocator import ADAPTER, KV, PageAllocator
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.daemon.cache.policies import CostWeights
-from loraplex.daemon.cache.predictor import ArrivalPredictor, PredictorConfig
+from loraplex.daemon.gpu_cache.policies import CostWeights
+from loraplex.daemon.gpu_cache.predictor import ArrivalPredictor, PredictorConfig
 from loraplex.daemon.memory.adapter_residency import AdapterResidency
 from loraplex.daemon.memory.allocator import KV, PageAllocator
 

@@ -18,7 +18,6 @@ from loraplex.daemon.config import (
     ModelSettings,
     SchedulerSettings,
     ServerSettings,
-    _convert,
     config_to_dict,
     default_state_dir,
     env_var,
@@ -27,6 +26,7 @@ from loraplex.daemon.config import (
     parse_adapter_arg,
     render_toml,
 )
+from loraplex.contracts.settings import convert
 
 
 def write(tmp_path: Path, text: str, name: str = "loraplex.toml") -> Path:
@@ -116,14 +116,14 @@ def test_env_values_parse_by_field_type(var: str, text: str, section: str, field
     [("1", True), ("true", True), ("YES", True), ("on", True), ("0", False), ("false", False), ("No", False), ("off", False)],
 )
 def test_bool_text_parsing(text: str, expected: bool) -> None:
-    assert _convert("x.flag", text, bool, where="test", from_text=True) is expected
+    assert convert("x.flag", text, bool, where="test", from_text=True) is expected
 
 
 def test_bool_text_parsing_rejects_other_words() -> None:
     with pytest.raises(ConfigError, match=r"x\.flag: expected a boolean.*'maybe' \(from test\)"):
-        _convert("x.flag", "maybe", bool, where="test", from_text=True)
+        convert("x.flag", "maybe", bool, where="test", from_text=True)
     with pytest.raises(ConfigError, match="expected a boolean"):
-        _convert("x.flag", 1, bool, where="file f", from_text=False)  # TOML 1 is not a boolean
+        convert("x.flag", 1, bool, where="file f", from_text=False)  # TOML 1 is not a boolean
 
 
 @pytest.mark.parametrize(
@@ -332,3 +332,47 @@ def test_config_modules_import_no_torch_numpy_or_zmq() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONWARNINGS": "error"})
+
+
+def test_the_engine_spec_is_built_once_from_the_settings_and_travels_typed() -> None:
+    """Every [model] engine setting, the largest batch and the adapter directories reach the
+    children as one typed spec; JSON (the child's command line) carries it back unchanged."""
+    from loraplex.daemon.config import ENGINE_SETTINGS
+    from loraplex.contracts.engine_spec import EngineSpec
+
+    assert set(ENGINE_SETTINGS) | {"load_groups"} == {f for f in config_to_dict(LoraplexConfig())["model"]}
+    cfg = load_config(None, env={}, overrides={"model.dtype": "bfloat16", "model.num_pages": 333,
+                                               "model.load_throttle_bytes_s": 4e6, "scheduler.max_num_seqs": 9,
+                                               "server.adapter_dirs": "/srv/a,/srv/b", "model.cuda_graphs": False})
+    spec = cfg.engine_spec("inst")
+    assert (spec.dtype, spec.num_pages, spec.load_throttle_bytes_s, spec.cuda_graphs) == ("bfloat16", 333, 4e6, False)
+    assert (spec.max_num_seqs, spec.adapter_dirs, spec.shm_instance) == (9, ("/srv/a", "/srv/b"), "inst")
+    assert all(getattr(spec, name) == getattr(cfg.model, name) for name in ENGINE_SETTINGS)
+    assert EngineSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(ConfigError, match="unknown engine spec fields: load_groups"):
+        EngineSpec.from_json('{"load_groups": 4}')
+    with pytest.raises(ConfigError, match="max_lora_rank: expected an integer"):
+        EngineSpec.from_json('{"max_lora_rank": "8"}')
+    with pytest.raises(ConfigError, match="dtype must be one of auto"):
+        EngineSpec(dtype="fp8")
+
+
+def test_every_default_is_defined_once() -> None:
+    """The [model] section's engine settings default to the engine spec's, the [scheduler] limits to
+    the scheduler's own (max_loras_per_batch 64, admit_when_loaded on), and the largest batch is
+    one number everywhere."""
+    from loraplex.daemon.config import ENGINE_SETTINGS
+    from loraplex.daemon.router.state import EngineState
+    from loraplex.daemon.scheduler.config import SchedulerConfig
+    from loraplex.daemon.sim.profile import SimProfile
+    from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS, EngineSpec
+
+    model, engine = ModelSettings(), EngineSpec()
+    assert {n: getattr(model, n) for n in ENGINE_SETTINGS} == {n: getattr(engine, n) for n in ENGINE_SETTINGS}
+    sched, policy = SchedulerSettings(), SchedulerConfig()
+    for name in ("max_num_seqs", "max_batched_tokens", "max_loras_per_batch", "admit_when_loaded", "cache_policy",
+                 "cluster_adapters"):
+        assert getattr(sched, name) == getattr(policy, name), name
+    assert (policy.max_loras_per_batch, policy.admit_when_loaded) == (64, True)
+    assert {sched.max_num_seqs, engine.max_num_seqs, SimProfile().max_num_seqs,
+            EngineState(engine_id=0).max_num_seqs} == {DEFAULT_MAX_NUM_SEQS}

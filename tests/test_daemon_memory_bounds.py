@@ -1,5 +1,5 @@
 """A long-running daemon keeps nothing per finished request or per engine step: the soak's
-flat-memory requirement (issue 10) at the two places that once grew without bound."""
+flat-memory requirement at the two places that once grew without bound."""
 from __future__ import annotations
 
 import asyncio
@@ -60,7 +60,7 @@ def test_finished_requests_leave_no_deadline_timer_and_deadlines_still_fire() ->
         await core.start([])
 
         def live_timers() -> int:
-            return sum(isinstance(o, asyncio.TimerHandle) and getattr(o, "_callback", None) == core._deadline
+            return sum(isinstance(o, asyncio.TimerHandle) and getattr(o, "_callback", None) == core.requests.expire
                        for o in gc.get_objects())
 
         for i in range(40):

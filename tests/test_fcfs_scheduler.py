@@ -126,7 +126,7 @@ class FakeEngine:
 def make(num_pages: int, *, page_tokens: int = 4, max_batched_tokens: int = 64, max_num_seqs: int = 16,
          max_model_len: int = 4096) -> FcfsScheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
-                             max_model_len=max_model_len)
+                             max_model_len=max_model_len, max_loras_per_batch=0, admit_when_loaded=False)
     geometry = PageGeometry(kv_dim=2, page_tokens=page_tokens, max_row_width=0)
     return FcfsScheduler(config, geometry, PageAllocator(num_pages), ADAPTER_PAGES.__getitem__, (EOS,))
 

@@ -14,7 +14,7 @@ from loraplex import LLM, SamplingParams
 from loraplex.gpu_engine.demo import llama_config
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.weights import random_weights
-from loraplex.gpu_engine.runtime import EngineSpec
+from loraplex.contracts.engine_spec import EngineSpec
 
 
 def config_only(tmp_path: Path, **overrides) -> Path:
@@ -48,7 +48,7 @@ def test_random_weights_have_the_config_shapes_and_no_zeros() -> None:
 
 def test_unknown_load_format_is_refused_by_engine_and_config() -> None:
     with pytest.raises(ValueError, match="load_format"):
-        EngineSpec(load_format="pickle").resolved()
+        EngineSpec(load_format="pickle")
     with pytest.raises(ConfigError, match="load_format"):
         ModelSettings(load_format="pickle")
     assert ModelSettings(load_format="dummy").load_format == "dummy"

@@ -11,7 +11,7 @@ import pytest
 
 from bench.stub_engine import StubEngineLink
 from loraplex.daemon.config import load_config
-from loraplex.daemon.engine_link import EngineDied
+from loraplex.daemon.child_link import EngineDied
 from loraplex.daemon.router import ROUTERS, Router
 from loraplex.daemon.serving import Rejected, ServingCore
 from loraplex.ipc.engine_plan import RowResult, StepResult
@@ -159,7 +159,7 @@ def test_dlora_router_co_migrates_queued_requests_and_outputs_stay_exact():
         core, engines, rec = make_core(2, **{"scheduler.router": "dlora", "scheduler.max_num_seqs": 2,
                                              "scheduler.rebalance_interval_s": 0.001})
         await start(core)
-        core.replicas.router = PinToFirst()  # pile every request onto engine 0 ...
+        core.engines.replicas.router = PinToFirst()  # pile every request onto engine 0 ...
         ids = await submit_all(core, 16, max_tokens=8, prompt_len=40)
         core.set_router("dlora")  # ... then let the dlora router even the load out
         await wait_for(rec, ids)
@@ -177,14 +177,14 @@ def test_a_running_request_migrates_by_recompute_and_continues_at_the_same_token
     async def run():
         core, engines, rec = make_core(2, **{"scheduler.router": "first_fit"})
         await start(core)
-        core.replicas.router = PinToFirst()
+        core.engines.replicas.router = PinToFirst()
         key = b"client".hex() + "/r000"
         ids = await submit_all(core, 1, max_tokens=30)
         while len(rec.tokens.get("r000", [])) < 5:
             await asyncio.sleep(0.001)
         core.migrate(key, 1)  # carried out between two of engine 0's steps
         await wait_for(rec, ids)
-        migrated = core.replicas.migrated
+        migrated = core.engines.replicas.migrated
         await core.stop()
         return engines, rec, migrated
 
@@ -246,7 +246,7 @@ def test_replacing_an_adapter_waits_for_its_users_holds_new_requests_and_skips_s
             await asyncio.sleep(0.001)
         await core.submit(b"client", GenerateRequest(request_id="held", prompt_token_ids=[9] * 8, adapter="live",
                                                      max_tokens=4, ignore_eos=True, stream=True))
-        held_while_replacing = [s.request_id for s in core._held.get("live", [])]
+        held_while_replacing = core.held.waiting("live")
         assert not replacing.done()
         entry, changed = await replacing
         long_done_first = "long" in rec.done
@@ -271,7 +271,7 @@ def test_rank_aware_reads_the_profile_file_and_a_bad_one_stops_the_daemon_cleanl
     PerfProfile(bgmv=KernelCost(0.5, 1.0, r2=0.99), mbgmv=KernelCost(0.25, 2.0, r2=0.98)).save(path)
     core, _, _ = make_core(2, **{"scheduler.router": "rank_aware", "scheduler.router_profile": str(path),
                                  "scheduler.router_kernel": "bgmv", "scheduler.tpt_slo_ms": 50.0})
-    router = core.replicas.router
+    router = core.engines.replicas.router
     assert router.profile == PerfProfile.load(path) and router.kernel == "bgmv" and router.slo_ms == 50.0
     path.write_text('{"bgmv": {"alpha": -1, "beta": 0}}')
     config = load_config(None, env={}, overrides={"scheduler.router": "rank_aware",

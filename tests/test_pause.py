@@ -69,7 +69,7 @@ def test_drain_resumes_a_paused_daemon() -> None:
     async def run():
         core, _, sent = await _started_paused(2)
         assert await core.drain(5.0) is True
-        assert core.paused is False and _done(sent) == 2
+        assert core.controls.paused is False and _done(sent) == 2
         await core.stop()
 
     asyncio.run(run())

@@ -1,7 +1,6 @@
-"""Prompts are bounded before any work and tokenized off the event loop (issue 20, points 1
-and 7): the size bound, the tokenizer threads, each client's byte budget, `max_tokens`
-against the context, and a request that is cancelled, disconnected or timed out while its
-prompt is being tokenized."""
+"""Prompts are bounded before any work and tokenized off the event loop: the size bound, the
+tokenizer threads, each client's byte budget, `max_tokens` against the context, and a request
+that is cancelled, disconnected or timed out while its prompt is being tokenized."""
 from __future__ import annotations
 
 import asyncio
@@ -194,9 +193,9 @@ async def _core_with(tok: GatedTokenizer):
 
     core = ServingCore(load_config(None, env={}), StubEngineLink(None, None, {}), send=send)
     await core.start([])
-    core.tokenizer = None  # the stub has no tokenizer.json: the gated one stands in
-    core.intake = PromptIntake(tok, core.hello.max_model_len, core.hello.vocab_size, threads=1,
-                               max_queued_bytes_per_client=MIB)
+    core.admission.tokenizer = None  # the stub has no tokenizer.json: the gated one stands in
+    core.admission.intake = PromptIntake(tok, core.hello.max_model_len, core.hello.vocab_size, threads=1,
+                                         max_queued_bytes_per_client=MIB)
     return core, sent
 
 
@@ -229,7 +228,7 @@ def test_requests_held_in_the_tokenizer_can_be_cancelled_dropped_or_time_out() -
         assert isinstance(replies["c"], DoneReply) and replies["c"].finish_reason == "cancelled"
         assert replies["t"].code == "timeout"
         assert "g" not in replies
-        assert not core.requests and not core._intake and core._idle.is_set()
+        assert not core.requests and not core.requests.tokenizing and core.requests.idle.is_set()
         tok.gate.set()  # the thread finishes: nothing is routed for requests that are gone
         await asyncio.sleep(0.1)
         stats = core.snapshot()

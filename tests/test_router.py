@@ -343,7 +343,8 @@ def test_engine_snapshot_carries_each_running_request_tpt_so_far() -> None:
     from loraplex.daemon.scheduler.sequence import SeqRequest
     from loraplex.ipc.engine_plan import SamplingSpec
 
-    sched = make_scheduler("fcfs", SchedulerConfig(max_num_seqs=4, max_batched_tokens=64, max_model_len=128),
+    sched = make_scheduler("fcfs", SchedulerConfig(max_num_seqs=4, max_batched_tokens=64, max_model_len=128,
+                                                   max_loras_per_batch=0, admit_when_loaded=False),
                            PageGeometry(kv_dim=1, page_tokens=4, max_row_width=0), PageAllocator(64), lambda _: 1)
     sched.add(SeqRequest(request_id="r", prompt_ids=[1, 2, 3], adapter=None, sampling=SamplingSpec(temperature=0.0),
                          max_tokens=20, ignore_eos=True))

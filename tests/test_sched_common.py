@@ -91,7 +91,9 @@ def drive(engine: TimedEngine, arrivals: dict[int, list[SeqRequest]], max_steps:
 def build(policy: str, num_pages: int, clock: FakeClock, **cfg) -> BaseScheduler:
     page_tokens = cfg.pop("page_tokens", 4)
     options = {k: cfg.pop(k) for k in ("mlq", "dlora") if k in cfg}
-    config = SchedulerConfig(**{"max_num_seqs": 16, "max_batched_tokens": 64, **cfg})
+    # Mechanism-level scenarios: no adapter limit and no waiting for loads unless a test sets them.
+    config = SchedulerConfig(**{"max_num_seqs": 16, "max_batched_tokens": 64, "max_loras_per_batch": 0,
+                                "admit_when_loaded": False, **cfg})
     geometry = PageGeometry(kv_dim=2, page_tokens=page_tokens, max_row_width=0)
     return make_scheduler(policy, config, geometry, PageAllocator(num_pages), ADAPTER_PAGES.__getitem__, (2,),
                           adapter_rank=RANKS.__getitem__, clock=clock, **options)

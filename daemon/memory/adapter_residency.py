@@ -1,6 +1,6 @@
 """Which adapters hold pages in the unified pool, who uses them, and which leave first.
 
-Torch-free GPU adapter cache (DESIGN §4, Chameleon §4.1). An adapter is placed on
+Torch-free GPU adapter cache (docs/architecture.md, 'The unified pool'; Chameleon §4.1). An adapter is placed on
 first use and reference-counted by the sequences running with it; at zero
 references it stays resident in otherwise idle pages until the allocator needs
 them. Then unreferenced, unpinned adapters leave in the policy's order, those no
@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from loraplex.daemon.cache.counters import AdapterUsage, CacheTotals
-from loraplex.daemon.cache.policies import CostWeights, EvictionPolicy, make_policy
-from loraplex.daemon.cache.predictor import ArrivalPredictor
+from loraplex.daemon.gpu_cache.counters import AdapterUsage, CacheTotals
+from loraplex.daemon.gpu_cache.policies import CostWeights, EvictionPolicy, make_policy
+from loraplex.daemon.gpu_cache.predictor import ArrivalPredictor
 from loraplex.daemon.memory.allocator import ADAPTER, OutOfPages, PageAllocator
 from loraplex.ipc.engine_plan import AdapterPlacement
 
@@ -71,7 +71,7 @@ class ResidencyChanges:
 class AdapterResidency:
     """The GPU adapter cache over the daemon's page allocator.
 
-    policy: "none" | "lru" | "fifo" | "cost" (see loraplex.daemon.cache.policies);
+    policy: "none" | "lru" | "fifo" | "cost" (see loraplex.daemon.gpu_cache.policies);
     weights: cost-policy weights and frequency half-life; predictor: extends
     prefetch candidates with adapters expected soon (None: off); host_resident: whether
     an adapter sits in the host store (None: all do), so predictor picks still on disk

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS
+
 
 def lora_units(kernel: str, ranks: Sequence[int]) -> float:
     """A batch's LoRA work in the units a kernel's cost grows with: BGMV pads every row to the
@@ -63,7 +65,7 @@ class EngineState:
     running: tuple[EngineRequest, ...] = ()
     waiting: tuple[EngineRequest, ...] = ()
     resident_adapters: frozenset[str] = frozenset()
-    max_num_seqs: int = 64
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     free_pages: int = 0
     total_pages: int = 0
     tokens_per_s: float = 1000.0  # measured processing rate (prefill and decode tokens per second)

@@ -18,7 +18,7 @@ from typing import Callable, ClassVar
 from typing import Sequence as Seq
 
 from loraplex.contracts.geometry import PageGeometry
-from loraplex.daemon.cache.predictor import ArrivalPredictor
+from loraplex.daemon.gpu_cache.predictor import ArrivalPredictor
 from loraplex.daemon.memory.adapter_residency import AdapterResidency
 from loraplex.daemon.memory.allocator import KV, PageAllocator
 from loraplex.daemon.scheduler.admission import EarlyAbort, SloAdmission

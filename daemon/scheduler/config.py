@@ -2,41 +2,44 @@
 
 Batch limits, the optional TTFT SLO that turns on early abort, and the
 adapter-clustering option. Policy-specific knobs live beside their policy
-(MlqConfig in mlq.py, DloraConfig in dlora.py).
+(MlqConfig in mlq.py, DloraConfig in dlora.py). The defaults here are the
+daemon's ([scheduler] takes them from here); a caller that wants no adapter
+limit or no waiting for loads says so (max_loras_per_batch=0, admit_when_loaded=False).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from loraplex.daemon.cache.predictor import PredictorConfig
+from loraplex.daemon.gpu_cache.predictor import PredictorConfig
+from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_batched_tokens: int = 2048
     max_model_len: int = 4096
     load_groups: int = 1  # layer groups a cold adapter is loaded in (1: all before use)
     # Most distinct adapters among running sequences; 0: no limit (checked when admitting).
-    max_loras_per_batch: int = 0
-    # S-LoRA §4.3 early abort: a queued request whose predicted time to first token exceeds
+    max_loras_per_batch: int = 64
+    # S-LoRA 4.3 early abort: a queued request whose predicted time to first token exceeds
     # this many seconds is aborted (see admission.py). None: off, except for requests that
     # bring their own SeqRequest.ttft_slo_s.
     ttft_slo_s: float | None = None
-    # S-LoRA §4.2 adapter clustering: admit requests whose adapter already runs first.
+    # S-LoRA 4.2 adapter clustering: admit requests whose adapter already runs first.
     cluster_adapters: bool = False
     # A request passed over this many times by clustering is admitted next regardless.
     cluster_max_skips: int = 32
     # A queued request whose adapter is still loading waits in the queue (its copy under way)
     # instead of stalling the whole step on it; the engine reports loads in StepResult.loading.
     # Off: it is admitted at once and the step waits for the adapter's layer groups.
-    admit_when_loaded: bool = False
-    # GPU adapter cache eviction policy (daemon/cache/policies.py): none, lru, fifo or cost.
+    admit_when_loaded: bool = True
+    # GPU adapter cache eviction policy (daemon/gpu_cache/policies.py): none, lru, fifo or cost.
     cache_policy: str = "lru"
     # Prefetch adapters of queued requests into free pages (never evicting for it).
     prefetch: bool = True
-    # Also prefetch adapters a histogram of past arrivals expects soon (daemon/cache/predictor.py);
+    # Also prefetch adapters a histogram of past arrivals expects soon (daemon/gpu_cache/predictor.py);
     # None: off (the default).
     cache_predictor: PredictorConfig | None = None
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from loraplex.daemon.router.rank_aware import KernelCost, PerfProfile
 from loraplex.daemon.json_file import read_json_file
+from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS
 
 MIB = 1 << 20
 
@@ -37,7 +38,7 @@ class SimProfile:
     cpu_lora_rank_tokens_per_s: float = 2.5e6  # CPU LoRA throughput, in token·rank units per second
     pool_pages: int = 4000
     page_tokens: int = 16
-    max_num_seqs: int = 64
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_batched_tokens: int = 4096
     max_model_len: int = 4096
 

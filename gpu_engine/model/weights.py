@@ -19,7 +19,6 @@ from safetensors import safe_open
 from loraplex.gpu_engine.model.config import ModelConfig, UnsupportedModelError
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-LOAD_FORMATS = ("safetensors", "dummy")  # dummy: random weights from config.json alone (vLLM's load_format)
 
 
 @dataclass(slots=True)

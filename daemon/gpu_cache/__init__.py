@@ -1,8 +1,8 @@
 """GPU adapter-cache policy pieces (torch-free): eviction policies, per-adapter
 counters and the arrival predictor. The residency that applies them lives in
 loraplex.daemon.memory.adapter_residency."""
-from loraplex.daemon.cache.counters import AdapterUsage, CacheTotals
-from loraplex.daemon.cache.policies import (
+from loraplex.daemon.gpu_cache.counters import AdapterUsage, CacheTotals
+from loraplex.daemon.gpu_cache.policies import (
     POLICY_NAMES,
     CostPolicy,
     CostWeights,
@@ -12,7 +12,7 @@ from loraplex.daemon.cache.policies import (
     NonePolicy,
     make_policy,
 )
-from loraplex.daemon.cache.predictor import ArrivalPredictor, PredictorConfig
+from loraplex.daemon.gpu_cache.predictor import ArrivalPredictor, PredictorConfig
 
 __all__ = [
     "POLICY_NAMES", "AdapterUsage", "ArrivalPredictor", "CacheTotals", "CostPolicy", "CostWeights",

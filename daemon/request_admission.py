@@ -1,0 +1,159 @@
+"""Request admission: the checks a generate request passes, its registration as in flight, its
+prompt's way through the intake (text is bounded by size, then tokenized off the event loop),
+and its hand-over to an engine's scheduler, or to the requests held for its adapter.
+
+Torch-free.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+
+from loraplex.daemon.adapter_table import AdapterTable
+from loraplex.daemon.config import ServerSettings
+from loraplex.daemon.controls import Controls
+from loraplex.daemon.detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from loraplex.daemon.engine_supervisor import EngineSupervisor
+from loraplex.daemon.held_requests import HeldRequests
+from loraplex.daemon.host_loads import HostLoader
+from loraplex.daemon.host_service import HostTierService
+from loraplex.daemon.intake import PromptIntake
+from loraplex.daemon.rejected import Rejected
+from loraplex.daemon.request_state import ClientRequest
+from loraplex.daemon.request_table import RequestTable, request_key
+from loraplex.daemon.scheduler.sequence import SeqRequest
+from loraplex.daemon.stats import ServingStats
+from loraplex.errors import CapacityError
+from loraplex.ipc.engine_plan import SamplingSpec
+from loraplex.ipc.errors import ErrorCode
+from loraplex.ipc.protocol import EngineHello, GenerateRequest
+
+log = logging.getLogger("loraplex.daemon")
+
+
+class RequestAdmission:
+    def __init__(self, server: ServerSettings, requests: RequestTable, adapters: AdapterTable,
+                 engines: EngineSupervisor, held: HeldRequests, stats: ServingStats, controls: Controls,
+                 host: HostTierService | None = None, loader: HostLoader | None = None) -> None:
+        self.server = server
+        self.requests = requests
+        self.adapters = adapters
+        self.engines = engines
+        self.held = held
+        self.stats = stats
+        self.controls = controls
+        self.host = host
+        self.loader = loader
+        self.tokenizer = None
+        self.intake = self._intake(None, 0, 0)  # replaced once an engine said what it runs
+
+    def use_model(self, hello: EngineHello) -> None:
+        """The model the engines run: its tokenizer and the bounds prompts are checked against.
+        Once: a restarted engine runs the same model, and the intake's budgets must persist."""
+        self.tokenizer = load_tokenizer(hello.model_dir)
+        self.intake = self._intake(self.tokenizer, hello.max_model_len, hello.vocab_size)
+
+    def _intake(self, tokenizer, max_model_len: int, vocab_size: int) -> PromptIntake:
+        return PromptIntake(tokenizer, max_model_len, vocab_size, threads=self.server.tokenizer_threads,
+                            max_queued_bytes_per_client=self.server.max_queued_prompt_bytes_per_client)
+
+    async def submit(self, identity: bytes, msg: GenerateRequest) -> None:
+        """Admit a request. Token ids are checked and routed now. A text prompt is bounded by its
+        size now, then tokenized off the event loop (PromptIntake) and routed, or failed with an
+        error reply, when its tokens are known; it counts as in flight meanwhile."""
+        key = request_key(identity, msg.request_id)
+        self._check_room(identity, key, msg)
+        self._check_adapter(msg)
+        if msg.prompt is None:
+            max_tokens = self.intake.check_ids(msg.prompt_token_ids, msg.max_tokens)  # before copying them
+            await self._route(self._register(identity, key, msg), list(msg.prompt_token_ids), max_tokens)
+        else:
+            self.intake.check_text(msg.prompt)
+            state = self._register(identity, key, msg)
+            self.requests.tokenizing[key] = asyncio.create_task(self._tokenize_then_route(state), name=f"intake-{key}")
+
+    def _check_room(self, identity: bytes, key: str, msg: GenerateRequest) -> None:
+        if self.controls.draining:
+            raise Rejected(ErrorCode.SHUTTING_DOWN, "the daemon is draining and accepts no new requests")
+        if len(self.requests) >= self.server.max_clients_inflight:
+            raise Rejected(ErrorCode.OVERLOADED, f"{len(self.requests)} requests in flight; try again later")
+        per_client = self.requests.per_client(identity)
+        if per_client >= self.server.max_requests_per_client:
+            raise Rejected(ErrorCode.OVERLOADED,
+                           f"this client already has {per_client} requests in flight (server.max_requests_per_client)")
+        if key in self.requests:
+            raise Rejected(ErrorCode.DUPLICATE_REQUEST, f"request id {msg.request_id!r} is already in flight")
+
+    def _check_adapter(self, msg: GenerateRequest) -> None:
+        if msg.adapter is not None:
+            entry = self.adapters.get(msg.adapter)
+            if entry is None:
+                raise Rejected(ErrorCode.UNKNOWN_ADAPTER, f"unknown adapter {msg.adapter!r}")
+            if entry.state == "error" or (entry.state != "ready" and self.host is None):
+                raise Rejected(ErrorCode.INVALID_ADAPTER, f"adapter {msg.adapter!r} is not usable: {entry.error}")
+
+    def _register(self, identity: bytes, key: str, msg: GenerateRequest) -> ClientRequest:
+        state = ClientRequest(
+            key=key, identity=identity, msg=msg, prompt_ids=[],
+            detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
+            stops=StopStringMatcher(list(msg.stop)) if msg.stop else None,
+            adapter_path="base" if msg.adapter is None else "cached",
+        )
+        self.requests.add(state)
+        return state
+
+    async def _tokenize_then_route(self, state: ClientRequest) -> None:
+        try:
+            ids = await self.intake.encode(state.identity, state.msg.prompt)
+            max_tokens = self.intake.check_ids(ids, state.msg.max_tokens)
+            self._check_adapter(state.msg)  # it may have been removed while the prompt was tokenized
+        except Rejected as exc:
+            await self.requests.fail(state.key, ErrorCode(exc.code), exc.message)
+            return
+        except Exception as exc:  # a tokenizer failure fails this request only
+            log.exception("tokenizing request %s failed", state.request_id)
+            await self.requests.fail(state.key, ErrorCode.INTERNAL,
+                                     f"internal error: cannot tokenize the prompt: {exc}")
+            return
+        finally:
+            self.requests.tokenizing.pop(state.key, None)
+        if state.key in self.requests:
+            await self._route(state, ids, max_tokens)
+
+    async def _route(self, state: ClientRequest, ids: list[int], max_tokens: int) -> None:
+        """Hand a checked request to an engine's scheduler (or hold it for its adapter)."""
+        msg = state.msg
+        state.prompt_ids = ids
+        seq = _sequence_request(state.key, msg, ids, max_tokens)
+        adapter = self.adapters.get(msg.adapter) if msg.adapter is not None else None
+        if adapter is not None and self.host is not None:
+            self.host.note_tier(adapter.name)
+        if adapter is not None and adapter.replacing:
+            self.held.hold(adapter.name, seq)  # routed once the new weights are in
+            self.requests.departed.set()  # a replace counting the old weights' users: this one waits for the new
+        elif adapter is not None and self.loader is not None and self.host.needs_load(adapter.name):
+            self.loader.hold(adapter.name, seq)  # on disk: routed once the host store holds it
+        else:
+            try:
+                slot = self.engines.place(seq)
+            except CapacityError as exc:
+                await self.requests.fail(state.key, ErrorCode.TOO_LARGE, str(exc))
+                return
+            if adapter is not None and slot.scheduler is not None:
+                slot.scheduler.adapters.note_arrival(adapter.name)
+        self.stats.accepted(msg.adapter)
+        if adapter is not None:
+            adapter.requests += 1
+
+
+def _sequence_request(key: str, msg: GenerateRequest, ids: list[int], max_tokens: int) -> SeqRequest:
+    """What the scheduler sees of a client request."""
+    return SeqRequest(
+        request_id=key, prompt_ids=ids, adapter=msg.adapter,
+        sampling=SamplingSpec(temperature=msg.temperature if msg.top_k != 1 else 0.0, top_p=msg.top_p,
+                              top_k=msg.top_k, seed=msg.seed if msg.seed is not None else secrets.randbits(63),
+                              logprobs=msg.logprobs),
+        max_tokens=max_tokens, stop_token_ids=frozenset(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        ttft_slo_s=None if msg.slo_ttft_ms is None else msg.slo_ttft_ms / 1e3,
+    )
