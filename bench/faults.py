@@ -1,4 +1,4 @@
-"""Fault recovery (issue 10): how long the daemon takes to recover from each fault, and
+"""Fault recovery: how long the daemon takes to recover from each fault, and
 whether any request is lost, on the CPU demo model.
 
 Starts `loraplex serve` on the random demo model (`ensure_demo_model()`, passed with

@@ -1,4 +1,4 @@
-"""One client must never stall another (issue 20): a streaming client's inter-token gaps on the
+"""One client must never stall another: a streaming client's inter-token gaps on the
 CPU demo model, alone and while flood clients send huge text prompts.
 
 Starts `loraplex serve` on the random demo model in a private runtime directory, warms the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Live cached / on_demand / cpu_assist on CPU with the random demo model (issue 8 row in bench/RESULTS.md):
+# Live cached / on_demand / cpu_assist on CPU with the random demo model (the live-modes row in bench/RESULTS.md):
 # one daemon per mode, the same `loraplex bench serve` workload against each; rows to
 # bench/results/live_cpu_modes.json. Run on a quiet host: the figures are wall-clock.
 set -u

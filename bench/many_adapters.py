@@ -1,4 +1,4 @@
-"""Many registered adapters (issue 20 point 8): what N registered adapters cost a real daemon.
+"""Many registered adapters: what N registered adapters cost a real daemon.
 
 For each N in --counts: a fresh state directory; N tiny PEFT adapters (rank --rank on q_proj and
 v_proj of the random CPU demo model), each its own directory of hard links to one written

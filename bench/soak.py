@@ -1,4 +1,4 @@
-"""Bounded soak test (issue 10): N clients x M minutes against a real daemon.
+"""Bounded soak test: N clients x M minutes against a real daemon.
 
 Starts `loraplex serve` on the random CPU demo model (`ensure_demo_model()`, passed
 with --model/--adapter, whatever LORAPLEX_DEMO says) in a private runtime directory

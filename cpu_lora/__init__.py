@@ -1,4 +1,4 @@
-"""CPU LoRA worker pool for CPU-assisted prefill (DESIGN §5, Toppings §4.2).
+"""CPU LoRA worker pool for CPU-assisted prefill (Toppings §4.2; docs/architecture.md, "CPU-assisted prefill").
 
 `pool` (daemon side, torch-free) starts and supervises one worker process per
 core; `worker` (one process, one core, one thread) computes LoRA deltas from

@@ -1,4 +1,4 @@
-"""The engine's side of CPU-assisted prefill (DESIGN §5): per layer and stage,
+"""The engine's side of CPU-assisted prefill: per layer and stage,
 hand the CPU-planned rows' activations to the worker processes through the
 exchange segment, keep computing, then fold their LoRA deltas back in.
 

@@ -1,4 +1,4 @@
-"""CPU-assisted prefill on CUDA, sync-free (Toppings §4.2, DESIGN §5).
+"""CPU-assisted prefill on CUDA, sync-free (Toppings §4.2).
 
 Per site, everything is enqueued on the compute stream and the launching
 thread never blocks: an async device-to-host copy of the CPU rows into the

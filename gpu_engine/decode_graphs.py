@@ -1,4 +1,4 @@
-"""CUDA-graph capture and replay of decode steps (issue 5).
+"""CUDA-graph capture and replay of decode steps.
 
 Owns the batch-size buckets, the static buffers a decode forward reads (token ids,
 positions, K/V write targets, paged-attention row tables, LoRA slot tables), the

@@ -1,4 +1,4 @@
-"""Layout of the host adapter store: one shared-memory arena of adapters (DESIGN §4).
+"""Layout of the host adapter store: one shared-memory arena of adapters.
 
 Owns where an adapter's weights sit (per layer, per target module: A as
 [r, in] row-major, then B^T as [r, out] row-major, the row format of the GPU

@@ -1,4 +1,4 @@
-"""The activation exchange segment between one engine and its CPU workers (DESIGN §5).
+"""The activation exchange segment between one engine and its CPU workers.
 
 Owns the byte layout only: the owner header, the exchange header (dimensions,
 so an attacher can check it maps what it expects), the control and per-site

@@ -1,7 +1,7 @@
 """bench/cache_policies.py (policy-level replay) and bench/cache_live.py (a real daemon per
 policy) run end to end, tiny, and print well-formed JSON.
 
-Shapes and sanity only: benchmarks are never timed in tests (DESIGN §7)."""
+Shapes and sanity only: benchmarks are never timed in tests."""
 from __future__ import annotations
 
 import json

@@ -1,7 +1,7 @@
 """bench/cpu_lora_compute.py runs end to end at tiny sizes and prints well-formed JSON.
 
 Runs as a subprocess, as a user would. Only shapes and sanity are checked;
-benchmarks are never timed in tests (DESIGN §7)."""
+benchmarks are never timed in tests."""
 from __future__ import annotations
 
 import json

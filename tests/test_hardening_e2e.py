@@ -1,5 +1,5 @@
 """Hardening of the adapter plane against hostile directories and rough exits, on a
-real daemon (issue 20, points 2, 3, 5 and 6):
+real daemon:
 
 - a FIFO registered behind the daemon's back does not stop it from becoming
   ready; it is marked `error` with its reason when first used;

@@ -1,5 +1,5 @@
 """The Hypothesis profile `make test` runs under: derandomized and without an example
-database, so CI draws the same examples on every run (issue 20: an unlucky draw of the
+database, so CI draws the same examples on every run (once, an unlucky draw of the
 MLQ livelock made one `make test` in two fail)."""
 from __future__ import annotations
 

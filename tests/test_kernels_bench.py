@@ -1,6 +1,6 @@
 """bench/kernels.py runs end to end at tiny sizes under the interpreter and prints
 well-formed JSON. Only shapes and sanity are checked: benchmarks are never timed
-in tests (DESIGN §7), and interpreted timings say nothing about the kernels.
+in tests, and interpreted timings say nothing about the kernels.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What an operator meets on a real daemon (cpu_assist, two CPU LoRA workers, six
-requests running), issue 20: `loraplex stats` prints a short summary (`--json` the whole
+requests running), `loraplex stats` prints a short summary (`--json` the whole
 document), `loraplex policy get` prints the policies in use, and `loraplex top`, fed the
 daemon's own stats document through Textual's run_test pilot, shows the live step time
 and batch on the engine row, the CPU workers, and every request in flight. Mistakes an

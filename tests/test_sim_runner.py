@@ -1,7 +1,7 @@
 """Simulator runs side by side in forked workers, their progress on stderr, and the --quick
 presets: forked runs give the rows in-process runs give, a failing run names itself and
 leaves no child behind, the progress line estimates the time left, and every scenario's
-quick preset runs in seconds (issue 20: `loraplex sim` printed nothing for minutes)."""
+quick preset runs in seconds (`loraplex sim` once printed nothing for minutes)."""
 from __future__ import annotations
 
 import dataclasses

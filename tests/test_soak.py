@@ -1,4 +1,4 @@
-"""Bounded soak (issue 10): bench/soak.py drives a real daemon (CPU demo model,
+"""Bounded soak: bench/soak.py drives a real daemon (CPU demo model,
 cpu_assist, cache policy none) with concurrent clients that stream, cancel and
 reconnect, and the daemon's process tree keeps flat fds and shared-memory
 segments and bounded RSS. The script runs as a user would run it."""

@@ -1,4 +1,4 @@
-"""Who may reach the daemon (issue 20, point 4): admin.sock stricter than client.sock and
+"""Who may reach the daemon: admin.sock stricter than client.sock and
 optionally opened to server.admin_group; no plaintext TCP listener on a non-loopback address
 unless server.tcp_insecure (and then a warning); TCP clients never see server file paths."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Warm spare children (issue 10, server.spare_children) against a real daemon on CPU: each link
+"""Warm spare children (server.spare_children) against a real daemon on CPU: each link
 keeps one pre-imported spare named for its role; a SIGKILLed engine is replaced by that very
 process and its requests finish exactly; a dead spare means a cold start that still works; and
 stopping the daemon leaves no spare behind."""

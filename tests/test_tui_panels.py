@@ -102,7 +102,7 @@ def test_engines_panel_from_engines_list_and_from_a_daemon_without_one():
     text = render("engines", live(full_snapshot()))
     assert "6.5ms" in text and "7.5" in text and "70.0%" in text and "up" in text
     row = next(line for line in render("engines", live(base_snapshot())).splitlines() if line.startswith("0 "))
-    assert row.split() == ["0", "up", "6.8ms", "7.0", "70.0%"]  # the daemon's live step and batch (issue 20)
+    assert row.split() == ["0", "up", "6.8ms", "7.0", "70.0%"]  # the daemon's live step and batch
     older = {k: v for k, v in base_snapshot().items() if k != "engines"}
     text = render("engines", live(older))  # no `engines`: one row from engine/latency/pool
     assert "6.5ms" in text and "7.5" in text and "70.0%" in text
