@@ -134,6 +134,9 @@ class SchedulerSettings:
         "within cache_predictor_horizon_s (only those already in the host store)."))
     cache_predictor_horizon_s: float = field(default=_PREDICTOR.horizon_s, metadata=_help(
         "cache_predictor: how far ahead an expected arrival counts."))
+    prefix_cache: bool = field(default=_SCHEDULER.prefix_cache, metadata=_help(
+        "Automatic prefix caching: full KV pages stay cached in idle pool pages and a later prompt "
+        "with the same prefix and adapter reuses them instead of computing them again."))
     admit_when_loaded: bool = field(default=_SCHEDULER.admit_when_loaded, metadata=_help(
         "on_demand loads: a request whose adapter is still being copied to the GPU waits in the queue "
         "while the batch runs on, instead of stalling every request in the step on the copy."))

@@ -181,7 +181,7 @@ class EngineSlot:
                             max_loras_per_batch=sched.max_loras_per_batch,
                             ttft_slo_s=None if sched.ttft_slo_ms is None else sched.ttft_slo_ms / 1e3,
                             cluster_adapters=sched.cluster_adapters, cache_policy=cache_policy,
-                            cache_predictor=predictor,
+                            cache_predictor=predictor, prefix_cache=sched.prefix_cache,
                             admit_when_loaded=sched.admit_when_loaded and self.load_mode == "on_demand"),
             geometry, self.allocator, adapters.pages, tuple(hello.eos_token_ids), adapter_rank=rank_of,
         )
@@ -269,6 +269,7 @@ class EngineSlot:
             "waiting": (len(sched.waiting) if sched else 0) + len(self.pending) + len(self.carried),
             "pool_used_pct": None if usage is None or not usage.total else (usage.total - usage.free) / usage.total * 100,
             "resident_adapters": len(sched.adapters.resident_names()) if sched else 0,
+            "prefix_cache": sched.prefix.snapshot() if sched is not None and sched.prefix is not None else None,
         })
         return info
 

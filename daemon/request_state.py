@@ -27,6 +27,7 @@ class ClientRequest:
     text: str = ""
     adapter_path: str = "base"
     first_scheduled: float | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held when it first ran
     first_token_at: float | None = None
     last_token_at: float | None = None
     first_step_engine_ms: float | None = None  # engine compute of the step that produced the first token
@@ -85,7 +86,8 @@ class ClientRequest:
             timings["first_step_engine_ms"] = self.first_step_engine_ms
         return DoneReply(
             request_id=self.request_id, finish_reason=finish_reason,
-            usage={"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.token_ids)},
+            usage={"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.token_ids),
+                   "cached_tokens": self.cached_tokens},
             timings=timings, token_ids=list(self.token_ids), text=self.text,
         )
 

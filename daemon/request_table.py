@@ -92,6 +92,7 @@ class RequestTable(Mapping[str, ClientRequest]):
             state = self._requests.get(row.request_id)
             if state is not None and state.first_scheduled is None:
                 state.first_scheduled = now
+                state.cached_tokens = row.start_pos  # a first row starts past what the prefix cache held
                 if plan.merged_adapter is not None and row.adapter == plan.merged_adapter:
                     state.adapter_path = "merged"
                 elif row.cpu_layers:

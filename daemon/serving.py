@@ -238,6 +238,7 @@ class ServingCore:
             running=sum(len(s.running) for s in scheds),
             waiting=sum(len(s.waiting) for s in scheds) + sum(len(s.pending) + len(s.carried) for s in engines.slots),
             pool=self._pool(),
+            prefix_cache=self._prefix_cache(),
             resident_adapters=sorted({n for s in scheds for n in s.adapters.resident_names()}),
             cache=first.adapters.snapshot(rank_of=self.adapters.rank_of) if first is not None else None,
             engine=engines.slots[0].link.describe(),
@@ -265,9 +266,29 @@ class ServingCore:
         )
 
     def _pool(self) -> dict[str, int] | None:
-        usages = [s.allocator.usage() for s in self.engines.slots if s.allocator is not None]
-        if not usages:
+        """Pages of every engine's pool: free, KV held by sequences, cached prefixes nobody holds
+        (the pool takes them back when it needs room), adapters."""
+        slots = [s for s in self.engines.slots if s.allocator is not None]
+        if not slots:
             return None
+        usages = [s.allocator.usage() for s in slots]
+        idle_prefix = sum(s.scheduler.prefix.idle_pages for s in slots
+                          if s.scheduler is not None and s.scheduler.prefix is not None)
         return {"total": sum(u.total for u in usages), "free": sum(u.free for u in usages),
-                "kv": sum(u.by_tag.get("kv", 0) for u in usages),
+                "kv": sum(u.by_tag.get("kv", 0) for u in usages) - idle_prefix,
+                "prefix_cache": idle_prefix,
                 "adapter": sum(u.by_tag.get("adapter", 0) for u in usages)}
+
+    def _prefix_cache(self) -> dict[str, object] | None:
+        """The prefix cache over every engine: tokens looked up and found, pages, evictions."""
+        caches = [s.scheduler.prefix for s in self.engines.slots
+                  if s.scheduler is not None and s.scheduler.prefix is not None]
+        if not caches:
+            return None
+        total: dict[str, int] = {}
+        for cache in caches:
+            for key, value in cache.snapshot().items():
+                if key != "hit_rate":
+                    total[key] = total.get(key, 0) + int(value)
+        query = total.get("query_tokens", 0)
+        return {**total, "hit_rate": round(total.get("hit_tokens", 0) / query, 4) if query else 0.0}

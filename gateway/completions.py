@@ -175,6 +175,7 @@ async def _stream(request: web.Request, job: Job, env: Envelope, n: int, logprob
     return response
 
 
-def _usage(results: Sequence[GenerateResult]) -> dict[str, int]:
+def _usage(results: Sequence[GenerateResult]) -> dict[str, object]:
     return usage(sum(r.usage.get("prompt_tokens", 0) for r in results),
-                 sum(r.usage.get("completion_tokens", 0) for r in results))
+                 sum(r.usage.get("completion_tokens", 0) for r in results),
+                 sum(r.usage.get("cached_tokens", 0) for r in results))

@@ -20,9 +20,11 @@ def finish_reason(daemon_reason: str) -> str:
     return _FINISH.get(daemon_reason, daemon_reason)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, object]:
+    """OpenAI's usage object; cached_tokens: prompt tokens whose KV the prefix cache held."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass(slots=True)

@@ -78,8 +78,10 @@ class FakeEngine:
         assert plan.num_tokens <= cfg.max_batched_tokens, "token budget exceeded"
         assert len(plan.rows) <= cfg.max_num_seqs
         assert len({r.request_id for r in plan.rows}) == len(plan.rows)
-        taken = {p for pages in self.adapters.values() for p in pages}
-        assert len(taken) == sum(len(p) for p in self.adapters.values()), "adapters share a page"
+        adapter_pages = {p for pages in self.adapters.values() for p in pages}
+        assert len(adapter_pages) == sum(len(p) for p in self.adapters.values()), "adapters share a page"
+        written: set[int] = set()  # pages some row writes KV into in this step
+        read: set[int] = set()  # pages of every row's table
         results = []
         for row in plan.rows:
             seq = self.seqs[row.request_id]
@@ -94,17 +96,23 @@ class FakeEngine:
                 assert row.adapter in self.adapters, "row uses an adapter the engine does not hold"
             assert len(row.kv_pages) >= geometry.kv_pages_for(end), "page table does not cover the row"
             assert len(set(row.kv_pages)) == len(row.kv_pages)
-            assert not taken & set(row.kv_pages), "a KV page is shared with another row or an adapter"
-            taken |= set(row.kv_pages)
+            assert not adapter_pages & set(row.kv_pages), "a KV page is also an adapter's"
+            mine = {row.kv_pages[geometry.kv_slot(pos)[0]] for pos in range(row.start_pos, end)}
+            assert not mine & (written | read), "a row writes a page another row of the step uses"
+            assert not (set(row.kv_pages) - mine) & written, "a row reads a page another row writes"
+            written |= mine
+            read |= set(row.kv_pages)
             context = []
-            for pos in range(row.start_pos):  # read the cached prefix back from its pages
+            for pos in range(row.start_pos):  # read the computed prefix back from its pages
                 page, off = geometry.kv_slot(pos)
                 entry = self.kv.get((row.kv_pages[page], off))
-                assert entry is not None and entry[:2] == (row.request_id, pos), f"KV of position {pos} lost"
-                context.append(entry[2])
+                # The KV at a position is the same only for the same adapter and the same tokens
+                # up to it (a prefix shared between requests, or the request's own).
+                assert entry == (row.adapter, tuple(full[:pos + 1])), f"KV of position {pos} lost"
+                context.append(full[pos])
             for pos, tok in enumerate(row.token_ids, start=row.start_pos):
                 page, off = geometry.kv_slot(pos)
-                self.kv[(row.kv_pages[page], off)] = (row.request_id, pos, tok)
+                self.kv[(row.kv_pages[page], off)] = (row.adapter, tuple(full[:pos + 1]))
             context += row.token_ids
             if row.sample:
                 tok = self.token_fn(row.adapter, row.sampling.seed, context)
@@ -124,9 +132,12 @@ class FakeEngine:
 
 
 def make(num_pages: int, *, page_tokens: int = 4, max_batched_tokens: int = 64, max_num_seqs: int = 16,
-         max_model_len: int = 4096) -> FcfsScheduler:
+         max_model_len: int = 4096, prefix_cache: bool = False) -> FcfsScheduler:
+    """A scheduler for page-accounting tests: without the prefix cache unless asked (its pages
+    stay allocated after their sequences; tests/test_prefix_cache.py covers it)."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
-                             max_model_len=max_model_len, max_loras_per_batch=0, admit_when_loaded=False)
+                             max_model_len=max_model_len, max_loras_per_batch=0, admit_when_loaded=False,
+                             prefix_cache=prefix_cache)
     geometry = PageGeometry(kv_dim=2, page_tokens=page_tokens, max_row_width=0)
     return FcfsScheduler(config, geometry, PageAllocator(num_pages), ADAPTER_PAGES.__getitem__, (EOS,))
 
@@ -143,9 +154,11 @@ def worst_pages(req: SeqRequest, geometry: PageGeometry, max_model_len: int) -> 
 
 
 def assert_drained(sched: FcfsScheduler) -> None:
-    """Nothing in flight: no KV page held, adapters resident but unreferenced."""
+    """Nothing in flight: no KV page held but idle cached prefixes, adapters resident but unreferenced."""
     usage = sched.allocator.usage()
-    assert usage.by_tag.get(KV, 0) == 0, "KV pages leaked"
+    cached = 0 if sched.prefix is None else sched.prefix.num_pages
+    assert sched.prefix is None or sched.prefix.idle_pages == cached, "a cached prefix page is still referenced"
+    assert usage.by_tag.get(KV, 0) == cached, "KV pages leaked"
     assert usage.by_tag.get(ADAPTER, 0) == sum(ADAPTER_PAGES[n] for n in sched.adapters.resident_names())
     assert all(sched.adapters.refs(n) == 0 for n in sched.adapters.resident_names())
     assert not sched.running and not sched.waiting

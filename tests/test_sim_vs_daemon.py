@@ -11,7 +11,7 @@ from loraplex.daemon.config import load_config
 from loraplex.daemon.serving import ServingCore
 from loraplex.daemon.sim.profile import SimProfile
 from loraplex.daemon.sim.simulator import SimConfig, simulate
-from loraplex.daemon.sim.workload import RequestEvent
+from loraplex.daemon.sim.workload import RequestEvent, prompt_tokens
 from loraplex.ipc.protocol import GenerateRequest
 
 ADAPTERS = ["a", "b", None, "c"]
@@ -57,7 +57,7 @@ def _daemon_decisions(events: list[RequestEvent], policy: str, max_num_seqs: int
             await core.add_adapter(name, f"/stub/{name}")
         # Every request is queued before the step loop first runs (no await yields in between).
         for e in events:
-            await core.submit(b"client", GenerateRequest(request_id=e.request_id, prompt_token_ids=[5] * e.prompt_len,
+            await core.submit(b"client", GenerateRequest(request_id=e.request_id, prompt_token_ids=prompt_tokens(e.request_id, e.prompt_len, vocab=200),
                                                          adapter=e.adapter, max_tokens=e.output_len, ignore_eos=True,
                                                          temperature=0.0))
         while len(finished) < len(events):

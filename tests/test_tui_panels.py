@@ -204,6 +204,12 @@ def test_stats_summary_is_a_few_labelled_lines_of_the_document():
     assert "TTFT p50 12.5ms p99 88.2ms" in lines[2] and "E2E p50 420ms p99 1800ms" in lines[2]
     assert lines[3].startswith("engines   1/1 up · 9000 steps (p50 6.5ms)") and "1 restart" in lines[3]
     assert lines[4] == "pool      420/600 pages used (70.0%) · kv 300 · adapters 120"
+    with_prefix = summary_lines({**full_snapshot(), "pool": {"total": 600, "free": 180, "kv": 280, "prefix_cache": 20,
+                                                            "adapter": 120},
+                                 "prefix_cache": {"query_tokens": 4000, "hit_tokens": 1000, "hit_rate": 0.25,
+                                                  "pages": 60, "evicted_pages": 7}})
+    assert with_prefix[4] == "pool      420/600 pages used (70.0%) · kv 280 · cached prefixes 20 · adapters 120"
+    assert with_prefix[6] == "prefix    1000 of 4000 prompt tokens cached (hit 25.0%) · 60 pages · 7 evicted"
     assert "hit 87.5%" in lines[5] and "3 adapters resident" in lines[5]
     assert lines[6].startswith("pcie      h2d 812.0 MB/s · d2h 64.0 MB/s")
     assert lines[7].startswith("cpu lora  4/4 workers up · busy 30%")

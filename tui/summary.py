@@ -47,7 +47,18 @@ def _pool(stats: Mapping[str, Any]) -> str:
         return _line("pool", MISSING)
     used = total - free
     return _line("pool", f"{used:.0f}/{total:.0f} pages used ({fmt_pct(used / total)})",
-                 f"kv {fmt_count(dig(pool, 'kv'))}", f"adapters {fmt_count(dig(pool, 'adapter'))}")
+                 f"kv {fmt_count(dig(pool, 'kv'))}",
+                 f"cached prefixes {fmt_count(dig(pool, 'prefix_cache'))}" if dig(pool, "prefix_cache") is not None else "",
+                 f"adapters {fmt_count(dig(pool, 'adapter'))}")
+
+
+def _prefix(stats: Mapping[str, Any]) -> str | None:
+    prefix = stats.get("prefix_cache")
+    if not isinstance(prefix, Mapping):
+        return None  # off
+    return _line("prefix", f"{fmt_count(prefix.get('hit_tokens'))} of {fmt_count(prefix.get('query_tokens'))} "
+                 f"prompt tokens cached (hit {fmt_pct(prefix.get('hit_rate'))})",
+                 f"{fmt_count(prefix.get('pages'))} pages", f"{fmt_count(prefix.get('evicted_pages'))} evicted")
 
 
 def _cache(stats: Mapping[str, Any]) -> str:
@@ -105,6 +116,7 @@ def summary_lines(stats: Mapping[str, Any]) -> list[str]:
         _engines(stats),
         _pool(stats),
         _cache(stats),
+        _prefix(stats),
         _host(stats),
         _pcie(stats),
         _cpu(stats),

@@ -19,6 +19,7 @@ from loraplex.daemon.gpu_cache.counters import AdapterUsage, CacheTotals
 from loraplex.daemon.gpu_cache.policies import CostWeights, EvictionPolicy, make_policy
 from loraplex.daemon.gpu_cache.predictor import ArrivalPredictor
 from loraplex.daemon.memory.allocator import ADAPTER, OutOfPages, PageAllocator
+from loraplex.daemon.memory.prefix_cache import PrefixCache
 from loraplex.ipc.engine_plan import AdapterPlacement
 
 _Access = Literal["hit", "prefetch_hit", "miss"]
@@ -75,13 +76,16 @@ class AdapterResidency:
     weights: cost-policy weights and frequency half-life; predictor: extends
     prefetch candidates with adapters expected soon (None: off); host_resident: whether
     an adapter sits in the host store (None: all do), so predictor picks still on disk
-    are not prefetched; clock: seconds.
+    are not prefetched; clock: seconds. prefix: the prefix cache sharing the pool (None:
+    off): its idle pages and idle adapters leave in one order when room is needed, and an
+    adapter whose content changes or leaves takes its cached prefixes with it.
     """
 
     def __init__(self, allocator: PageAllocator, policy: str = "lru", *, weights: CostWeights | None = None,
                  predictor: ArrivalPredictor | None = None, host_resident: Callable[[str], bool] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, prefix: PrefixCache | None = None) -> None:
         self._alloc = allocator
+        self._prefix = prefix
         self._weights = weights or CostWeights()
         self._policy: EvictionPolicy = make_policy(policy, self._weights)
         self._predictor = predictor
@@ -149,7 +153,9 @@ class AdapterResidency:
         return self._usage.get(name)
 
     def reclaimable_pages(self) -> int:
-        return sum(e.num_pages for e in self._resident.values() if self._evictable(e))
+        """Pages make_room could free: idle adapters' and idle cached prefixes'."""
+        idle_prefix = 0 if self._prefix is None else self._prefix.idle_pages
+        return idle_prefix + sum(e.num_pages for e in self._resident.values() if self._evictable(e))
 
     def eviction_order(self) -> list[str]:
         """Names make_room would evict, first victim first."""
@@ -256,18 +262,28 @@ class AdapterResidency:
                 self._free(entry, "evict")
 
     def make_room(self, num_pages: int) -> bool:
-        """Evict unreferenced, unpinned adapters in policy order (those no queued request needs
-        first) until `num_pages` are free. False, evicting nothing, when that cannot be done."""
+        """Free pages until `num_pages` are free: unreferenced, unpinned adapters in policy order
+        (those no queued request needs first) and idle cached prefix pages, one order for both:
+        a prefix page used longer ago than the next adapter victim goes first, and adapters
+        queued requests need go last. False, evicting nothing, when that cannot be done."""
         if self._alloc.can_allocate(num_pages):
             return True
         victims = self._victims()
-        if self._alloc.num_free + sum(v.num_pages for v in victims) < num_pages:
+        if self._alloc.num_free + self.reclaimable_pages() < num_pages:
             return False
-        for victim in victims:
+        prefix = self._prefix
+        while not self._alloc.can_allocate(num_pages):
+            oldest_prefix = None if prefix is None else prefix.oldest_idle()
+            victim = victims[0] if victims else None
+            if oldest_prefix is not None and (victim is None or victim.name in self._queued
+                                              or oldest_prefix <= victim.last_used):
+                prefix.evict(1)
+                continue
+            if victim is None:
+                raise OutOfPages(num_pages, self._alloc.num_free)  # unreachable: reclaimable pages were counted
+            victims.pop(0)
             self._free(victim, "evict")
-            if self._alloc.can_allocate(num_pages):
-                return True
-        raise OutOfPages(num_pages, self._alloc.num_free)  # unreachable: reclaimable pages were counted
+        return True
 
     def drop(self, name: str) -> None:
         """Free an unreferenced adapter's pages now and forget its pin (removal by the user)."""
@@ -275,6 +291,8 @@ class AdapterResidency:
         if entry is not None and entry.refs:
             raise ValueError(f"adapter {name} is in use by {entry.refs} requests")
         self._pinned.pop(name, None)
+        if self._prefix is not None:
+            self._prefix.forget_adapter(name)
         if entry is not None:
             self._free(entry, "drop")
 
@@ -287,7 +305,10 @@ class AdapterResidency:
 
     def invalidate(self, name: str) -> None:
         """The content behind `name` changed: free the resident copy now if unreferenced, else
-        mark it stale (no new users; freed when its last reference goes)."""
+        mark it stale (no new users; freed when its last reference goes). Its cached prefixes
+        are never matched again."""
+        if self._prefix is not None:
+            self._prefix.forget_adapter(name)
         entry = self._resident.get(name)
         if entry is None:
             return

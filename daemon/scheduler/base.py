@@ -21,6 +21,7 @@ from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.gpu_cache.predictor import ArrivalPredictor
 from loraplex.daemon.memory.adapter_residency import AdapterResidency
 from loraplex.daemon.memory.allocator import KV, PageAllocator
+from loraplex.daemon.memory.prefix_cache import PrefixCache
 from loraplex.daemon.scheduler.admission import EarlyAbort, SloAdmission
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.estimators import OutputLengthPredictor, StepCostModel
@@ -46,7 +47,9 @@ class BaseScheduler(ABC):
         self.geometry = geometry
         self.allocator = allocator
         predictor = None if config.cache_predictor is None else ArrivalPredictor(config.cache_predictor)
-        self.adapters = AdapterResidency(allocator, config.cache_policy, predictor=predictor, clock=clock)
+        self.prefix = PrefixCache(allocator, geometry.page_tokens, clock) if config.prefix_cache else None
+        self.adapters = AdapterResidency(allocator, config.cache_policy, predictor=predictor, clock=clock,
+                                         prefix=self.prefix)
         self._adapter_pages = adapter_pages
         # Without ranks, an adapter's page count stands in for its size (it grows with the rank).
         self._adapter_rank = adapter_rank or adapter_pages
@@ -80,6 +83,7 @@ class BaseScheduler(ABC):
         if other._inflight is not None:
             raise RuntimeError("a scheduler can only be switched between steps")
         self.adapters = other.adapters
+        self.prefix = other.prefix
         self.waiting, self.running, self._by_id = other.waiting, other.running, other._by_id
         self._step_ids = other._step_ids
         self.num_preemptions = other.num_preemptions
@@ -94,6 +98,8 @@ class BaseScheduler(ABC):
         if seq.request_id in self._by_id:
             raise ValueError(f"request {seq.request_id!r} is already queued")
         seq.kv_pages = []
+        seq.cached_blocks = 0
+        seq.prefix_open = True
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
@@ -143,6 +149,7 @@ class BaseScheduler(ABC):
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
             seq.kv_pages = []  # a preempted sequence's pages were released when it was preempted
+            seq.cached_blocks = 0
         else:
             self.running.remove(seq)
             self._release(seq)
@@ -283,7 +290,10 @@ class BaseScheduler(ABC):
         if adapter is not None and not self.adapters.acquire(adapter, self._adapter_pages(adapter),
                                                              self.config.load_groups):
             return False
+        n = self._reuse_prefix(seq, n)
         if not self._grow_kv(seq, n, allow_preempt=False):
+            self._drop_kv(seq)
+            seq.num_computed = 0
             if adapter is not None:
                 self.adapters.release(adapter, backout=True)
             return False
@@ -301,6 +311,37 @@ class BaseScheduler(ABC):
         self._add_row(seq, n)
         self._on_admit(seq)
         return True
+
+    def _reuse_prefix(self, seq: Sequence, n: int) -> int:
+        """A sequence entering the batch with no KV takes the longest cached prefix of its tokens
+        (computed with its adapter) as computed; returns the tokens to feed now, at most `n`."""
+        if self.prefix is None or seq.kv_pages or seq.num_computed:
+            return n
+        pages = self.prefix.match(seq.req.adapter, seq.token_slice(0, seq.num_tokens), self._merged(seq))
+        if not pages:
+            return n
+        seq.kv_pages = pages
+        seq.cached_blocks = len(pages)
+        seq.num_computed = len(pages) * self.geometry.page_tokens
+        if seq.first_scheduled is None:
+            seq.cached_tokens = seq.num_computed
+        return min(n, seq.num_uncomputed)
+
+    def _merged(self, seq: Sequence) -> bool:
+        """Whether `seq`'s adapter runs merged into the base weights (dLoRA): its KV differs in
+        rounding from the unmerged path's, so the two are cached apart."""
+        return seq.req.adapter is not None and seq.req.adapter == self.merged_adapter
+
+    def _cache_prefix(self, seq: Sequence, merged: bool) -> None:
+        """Offer the full pages `seq` has computed to the prefix cache."""
+        size = self.geometry.page_tokens
+        full = min(seq.num_computed // size, len(seq.kv_pages))
+        first = seq.cached_blocks
+        if self.prefix is None or not seq.prefix_open or full <= first:
+            return
+        seq.cached_blocks = self.prefix.insert(seq.req.adapter, seq.kv_pages, first,
+                                               seq.token_slice(first * size, full * size), merged)
+        seq.prefix_open = seq.cached_blocks == full
 
     def _must_await_load(self, adapter: str) -> bool:
         """With admit_when_loaded, a request whose adapter is not yet fully on the GPU waits in
@@ -461,6 +502,7 @@ class BaseScheduler(ABC):
             if seq is None or fed is None or seq.status is not SeqStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             seq.num_computed += fed
+            self._cache_prefix(seq, merged=row.adapter is not None and row.adapter == plan.merged_adapter)
             out = sampled.get(row.request_id)
             if not row.sample or out is None:
                 continue
@@ -498,10 +540,17 @@ class BaseScheduler(ABC):
         self._on_finish(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.kv_pages)
-        seq.kv_pages = []
+        self._drop_kv(seq)
         if seq.req.adapter is not None:
             self.adapters.release(seq.req.adapter)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        """Give back `seq`'s KV pages: its own are freed, cached ones lose its reference."""
+        own = seq.kv_pages if self.prefix is None else self.prefix.release(seq.kv_pages)
+        self.allocator.free(own)
+        seq.kv_pages = []
+        seq.cached_blocks = 0
+        seq.prefix_open = True
 
     # ---- policy hooks (no-ops by default) ----------------------------------------------------
     def _on_add(self, seq: Sequence) -> None:

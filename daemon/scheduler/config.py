@@ -42,6 +42,9 @@ class SchedulerConfig:
     # Also prefetch adapters a histogram of past arrivals expects soon (daemon/gpu_cache/predictor.py);
     # None: off (the default).
     cache_predictor: PredictorConfig | None = None
+    # Automatic prefix caching (daemon/memory/prefix_cache.py): full KV pages stay cached after
+    # their sequence and are reused by a later prompt with the same prefix and adapter.
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_batched_tokens, self.max_model_len, self.load_groups) <= 0:

@@ -45,6 +45,11 @@ class Sequence:
     first_token_at: float | None = None
     num_preemptions: int = 0
     waited_for_adapter: bool = False  # left queued while its adapter was copied (admit_when_loaded)
+    # Prefix cache: leading kv_pages that are cached blocks, and whether later full pages may
+    # still join (a page the cache already had under another page closes the chain).
+    cached_blocks: int = 0
+    prefix_open: bool = True
+    cached_tokens: int = 0  # prompt tokens whose KV came from the cache at its first admission
 
     @property
     def request_id(self) -> str:

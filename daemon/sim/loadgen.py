@@ -17,7 +17,7 @@ from pathlib import Path
 from loraplex.daemon.sim.metrics import summarize
 from loraplex.daemon.sim.profile import SimProfile
 from loraplex.daemon.sim.simulator import RequestRecord, SimConfig, SimResult
-from loraplex.daemon.sim.workload import RequestEvent, WorkloadSpec, generate
+from loraplex.daemon.sim.workload import RequestEvent, WorkloadSpec, generate, prompt_tokens
 from loraplex.ipc.client import AsyncClient, LoraplexError
 
 
@@ -34,7 +34,7 @@ def map_adapters(events: list[RequestEvent], live: list[str]) -> dict[str, str |
 async def _one(client: AsyncClient, event: RequestEvent, adapter: str | None, started: float,
                record: RequestRecord, vocab: int, timeout_s: float) -> None:
     await asyncio.sleep(max(0.0, started + event.arrival_s - time.perf_counter()))
-    prompt = [3 + (7 * i + len(event.request_id)) % (vocab - 3) for i in range(event.prompt_len)]
+    prompt = prompt_tokens(event.request_id, event.prompt_len, vocab)
     try:
         stream = client.stream(prompt, adapter=adapter, max_tokens=event.output_len, temperature=0.0,
                                ignore_eos=True, timeout=timeout_s)

@@ -23,7 +23,7 @@ from loraplex.daemon.scheduler.factory import POLICIES, make_scheduler
 from loraplex.daemon.scheduler.sequence import SeqRequest
 from loraplex.daemon.sim.lcfs import LcfsScheduler
 from loraplex.daemon.sim.profile import SimProfile
-from loraplex.daemon.sim.workload import RequestEvent
+from loraplex.daemon.sim.workload import RequestEvent, prompt_tokens
 from loraplex.ipc.engine_plan import RowResult, SamplingSpec, StepPlan, StepResult
 
 MODES = ("cached", "on_demand", "cpu_assist")
@@ -239,7 +239,7 @@ class Simulator:
         self.records[ev.request_id] = RequestRecord(ev, index)
         self._states[index] = None
         self._prompt_len[ev.request_id] = prompt
-        eng.sched.add(SeqRequest(request_id=ev.request_id, prompt_ids=[_TOKEN] * prompt, adapter=ev.adapter,
+        eng.sched.add(SeqRequest(request_id=ev.request_id, prompt_ids=prompt_tokens(ev.request_id, prompt), adapter=ev.adapter,
                                  sampling=SamplingSpec(temperature=0.0), max_tokens=ev.output_len, ignore_eos=True))
 
     def _state(self, eng: _Engine) -> EngineState:

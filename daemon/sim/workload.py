@@ -8,10 +8,12 @@ always yields the same events; nothing here reads a clock or keeps global state.
 """
 from __future__ import annotations
 
+import array
 import csv
 import functools
 import math
 import random
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +79,16 @@ class WorkloadSpec:
     @property
     def adapter_names(self) -> list[str]:
         return [f"lora{i:04d}" for i in range(self.num_adapters)]
+
+
+def prompt_tokens(request_id: str, length: int, vocab: int = 32000) -> list[int]:
+    """A request's prompt token ids: the same for the same request id wherever it is built (the
+    simulator, the load generator, tests against a live daemon), and distinct between requests,
+    so that the prefix cache finds a request's own pages again (after a preemption) and no
+    other request's, in the simulator as in a live daemon."""
+    words = array.array("I", random.Random(zlib.crc32(request_id.encode())).randbytes(4 * length))
+    span = vocab - 3
+    return [3 + w % span for w in words]
 
 
 def adapter_ranks(spec: WorkloadSpec) -> dict[str, int]:

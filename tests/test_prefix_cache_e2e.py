@@ -1,0 +1,72 @@
+"""The prefix cache on a real daemon (random demo model, CPU): a repeated long prompt reuses
+its cached pages and gives the same greedy tokens and logprobs as the first time; a prefix
+never crosses adapters; usage and stats report the cached tokens; on_demand and cpu_assist."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from loraplex.ipc.client import AdminClient, AsyncClient
+from tests.daemon_process import DaemonProcess
+
+PAGE_TOKENS = 16
+
+
+def _prompt(seed: int, n: int = 150) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+async def _generate(daemon: DaemonProcess, prompt: list[int], adapter: str | None):
+    async with AsyncClient(runtime_dir=daemon.runtime_dir) as client:
+        return await client.generate(prompt, adapter=adapter, max_tokens=8, temperature=0.0, ignore_eos=True,
+                                     logprobs=True, timeout=120)
+
+
+@pytest.mark.parametrize("mode", ["on_demand", "cpu_assist"])
+def test_a_repeated_prompt_reuses_its_prefix_and_gives_the_same_tokens(demo, tmp_path, mode) -> None:
+    flags = ["--adapter-load-mode", mode] + (["--cpu-workers", "2"] if mode == "cpu_assist" else [])
+    daemon = DaemonProcess(tmp_path, *flags).start()
+    try:
+        prompt = _prompt(1)
+        first = asyncio.run(_generate(daemon, prompt, "qv-r8"))
+        again = asyncio.run(_generate(daemon, prompt, "qv-r8"))
+        assert first.usage["cached_tokens"] == 0
+        # Every full page but the one holding the last prompt token comes from the cache.
+        assert again.usage["cached_tokens"] == (len(prompt) - 1) // PAGE_TOKENS * PAGE_TOKENS
+        assert again.token_ids == first.token_ids and again.text == first.text
+        assert again.logprobs == pytest.approx(first.logprobs, abs=1e-4)
+
+        other = asyncio.run(_generate(daemon, prompt, "all-r32"))  # same tokens, another adapter
+        base = asyncio.run(_generate(daemon, prompt, None))
+        assert other.usage["cached_tokens"] == 0 and base.usage["cached_tokens"] == 0
+        assert other.token_ids != first.token_ids or base.token_ids != first.token_ids
+
+        # A longer conversation turn extends the cached prompt.
+        turn = prompt + again.token_ids + _prompt(2, 20)
+        extended = asyncio.run(_generate(daemon, turn, "qv-r8"))
+        assert extended.usage["cached_tokens"] >= len(prompt) // PAGE_TOKENS * PAGE_TOKENS
+
+        with daemon.client() as c:
+            stats = c.stats()
+        prefix = stats["prefix_cache"]
+        assert prefix["hit_tokens"] == again.usage["cached_tokens"] + extended.usage["cached_tokens"]
+        assert prefix["query_tokens"] >= 4 * len(prompt) and prefix["pages"] > 0
+        assert stats["pool"]["kv"] == 0 and stats["pool"]["prefix_cache"] == prefix["idle_pages"] > 0
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+
+
+def test_replacing_an_adapter_drops_its_cached_prefixes(demo, tmp_path) -> None:
+    daemon = DaemonProcess(tmp_path).start()
+    try:
+        prompt = _prompt(3)
+        asyncio.run(_generate(daemon, prompt, "attn-r16"))
+        with AdminClient(runtime_dir=daemon.runtime_dir) as admin:
+            admin.add_adapter("attn-r16", str(demo.adapters["all-r32"]), replace=True)
+        replaced = asyncio.run(_generate(daemon, prompt, "attn-r16"))
+        assert replaced.usage["cached_tokens"] == 0  # computed again with the new weights
+    finally:
+        assert daemon.stop() == 0, daemon.log()
