@@ -216,3 +216,39 @@ def test_prefix_cache_off_keeps_no_page() -> None:
     engine.add(request("a", list(range(3, 3 + 3 * PAGE)), 2))
     engine.run()
     assert sched.prefix is None and sched.allocator.num_free == 64
+
+
+def test_policies_cost_a_request_by_what_the_cache_does_not_hold() -> None:
+    """MLQ sizes a request (and early abort predicts its prefill) by its uncached prompt."""
+    rng = random.Random(3)
+    system = [rng.randrange(3, 60) for _ in range(6 * PAGE)]
+    sched = build("mlq", 120)
+    engine = FakeEngine(sched)
+    engine.add(request("first", system + [7], 2, "cat"))
+    engine.run()
+    seq = engine.add(request("second", system + [9, 9, 9], 2, "cat"))
+    cold = engine.add(request("cold", system + [9, 9, 9], 2, "bob"))
+    assert seq.expected_cached == 6 * PAGE and seq.prefill_len == 3
+    assert cold.expected_cached == 0 and cold.prefill_len == 6 * PAGE + 3
+    assert sched._features(seq)[0] == 3 and sched._features(cold)[0] == 6 * PAGE + 3
+    engine.run()
+    assert seq.cached_tokens == 6 * PAGE and cold.cached_tokens == 0
+
+
+def test_separate_budgets_cap_the_prefix_cache_and_evict_adapters_first() -> None:
+    rng = random.Random(9)
+    sched = build("fcfs", 40, max_num_seqs=1, prefix_eviction="separate", prefix_cache_share=0.25)
+    assert sched.prefix.max_pages == 10 and not sched.prefix.unified
+    engine = FakeEngine(sched)
+    reqs = [request(f"r{i}", [rng.randrange(3, 60) for _ in range(4 * PAGE + 1)], 2, rng.choice([None, "cat", "bob"]),
+                    seed=i) for i in range(10)]
+    for req in reqs:
+        engine.add(req)
+        engine.run()
+        assert sched.prefix.num_pages <= 10
+        if sched.adapters.totals.evictions == 0:
+            assert sched.prefix.counters.evicted_pages == sched.prefix.counters.inserted_pages - sched.prefix.num_pages
+    for req in reqs:
+        assert (engine.seqs[req.request_id].output_ids, "length") == (reference(req, 256)[0], "length")
+    with pytest.raises(ValueError, match="prefix_eviction"):
+        SchedulerConfig(prefix_eviction="lru")

@@ -265,7 +265,8 @@ class AdapterResidency:
         """Free pages until `num_pages` are free: unreferenced, unpinned adapters in policy order
         (those no queued request needs first) and idle cached prefix pages, one order for both:
         a prefix page used longer ago than the next adapter victim goes first, and adapters
-        queued requests need go last. False, evicting nothing, when that cannot be done."""
+        queued requests need go last (with separate budgets, every idle adapter goes before any
+        prefix page). False, evicting nothing, when that cannot be done."""
         if self._alloc.can_allocate(num_pages):
             return True
         victims = self._victims()
@@ -275,8 +276,8 @@ class AdapterResidency:
         while not self._alloc.can_allocate(num_pages):
             oldest_prefix = None if prefix is None else prefix.oldest_idle()
             victim = victims[0] if victims else None
-            if oldest_prefix is not None and (victim is None or victim.name in self._queued
-                                              or oldest_prefix <= victim.last_used):
+            if oldest_prefix is not None and (victim is None or (prefix.unified and (
+                    victim.name in self._queued or oldest_prefix <= victim.last_used))):
                 prefix.evict(1)
                 continue
             if victim is None:

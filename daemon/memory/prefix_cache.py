@@ -60,6 +60,9 @@ class PrefixCache:
     allocator: PageAllocator
     page_tokens: int
     clock: Callable[[], float] = time.monotonic
+    # Separate budgets (the baseline one order is measured against): at most this many pages,
+    # and idle adapters leave before any prefix page. None: one order for the whole pool.
+    max_pages: int | None = None
     counters: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
     _by_key: dict[tuple[Hashable, tuple[int, ...]], _Block] = field(default_factory=dict)
     _by_page: dict[int, _Block] = field(default_factory=dict)
@@ -74,6 +77,11 @@ class PrefixCache:
         return len(self._by_page)
 
     @property
+    def unified(self) -> bool:
+        """Whether its pages and idle adapters leave the pool in one order (else adapters first)."""
+        return self.max_pages is None
+
+    @property
     def idle_pages(self) -> int:
         """Pages it holds that no sequence references: free for the pool once evicted."""
         return self._idle
@@ -86,24 +94,20 @@ class PrefixCache:
         self._drop_stale_heap_top()
         return self._heap[0][0] if self._heap else None
 
+    def peek(self, adapter: str | None, tokens: list[int], variant: bool = False) -> int:
+        """Tokens of `tokens` match() would find cached now; references and counts nothing."""
+        return len(self._walk(adapter, tokens, variant)) * self.page_tokens
+
     def match(self, adapter: str | None, tokens: list[int], variant: bool = False) -> list[int]:
         """Pages holding the longest cached prefix of `tokens` computed with `adapter` (and its
         `variant`: merged into the base weights or not), each referenced once more for the
         caller; at least the last token is left uncached."""
-        size = self.page_tokens
-        pages: list[int] = []
-        parent: Hashable = (_ROOT, adapter, variant)
+        pages = self._walk(adapter, tokens, variant)
         now = self.clock()
-        for start in range(0, len(tokens) - size, size):
-            block = self._by_key.get((parent, tuple(tokens[start:start + size])))
-            if block is None:
-                break
-            pages.append(block.page)
-            parent = block.page
         for page in pages:
             self._ref(self._by_page[page], now)
         self.counters.query_tokens += len(tokens)
-        self.counters.hit_tokens += len(pages) * size
+        self.counters.hit_tokens += len(pages) * self.page_tokens
         return pages
 
     def insert(self, adapter: str | None, pages: list[int], first: int, tokens: list[int],
@@ -118,6 +122,8 @@ class PrefixCache:
         parent: Hashable = (_ROOT, adapter, variant) if first == 0 else pages[first - 1]
         now = self.clock()
         for i in range(first, stop):
+            if self.max_pages is not None and len(self._by_page) >= self.max_pages and not self.evict(1):
+                return i  # its budget is full of referenced pages
             page = pages[i]
             offset = (i - first) * size
             key = (parent, tuple(tokens[offset:offset + size]))
@@ -179,6 +185,19 @@ class PrefixCache:
         return {"pages": self.num_pages, "idle_pages": self._idle, **self.counters.as_dict()}
 
     # ---- internals ----------------------------------------------------------------------------
+    def _walk(self, adapter: str | None, tokens: list[int], variant: bool) -> list[int]:
+        """Pages of the longest cached chain of full blocks of `tokens`, leaving the last token."""
+        size = self.page_tokens
+        pages: list[int] = []
+        parent: Hashable = (_ROOT, adapter, variant)
+        for start in range(0, len(tokens) - size, size):
+            block = self._by_key.get((parent, tuple(tokens[start:start + size])))
+            if block is None:
+                break
+            pages.append(block.page)
+            parent = block.page
+        return pages
+
     def _ref(self, block: _Block, now: float) -> None:
         if block.refs == 0:
             self._idle -= 1

@@ -60,7 +60,7 @@ class SloAdmission:
         aborts: list[tuple[Sequence, EarlyAbort]] = []
         kept = 0
         for i, seq in enumerate(order):
-            own = seq.num_uncomputed
+            own = seq.num_uncomputed - (0 if seq.num_computed else seq.expected_cached)
             prefill_s = math.ceil((ahead + own) / per_step) * step_s
             seat_s = 0.0
             if kept >= free_seats:

@@ -47,7 +47,10 @@ class BaseScheduler(ABC):
         self.geometry = geometry
         self.allocator = allocator
         predictor = None if config.cache_predictor is None else ArrivalPredictor(config.cache_predictor)
-        self.prefix = PrefixCache(allocator, geometry.page_tokens, clock) if config.prefix_cache else None
+        self.prefix = None
+        if config.prefix_cache:
+            budget = None if config.prefix_eviction == "unified" else int(allocator.num_pages * config.prefix_cache_share)
+            self.prefix = PrefixCache(allocator, geometry.page_tokens, clock, max_pages=budget)
         self.adapters = AdapterResidency(allocator, config.cache_policy, predictor=predictor, clock=clock,
                                          prefix=self.prefix)
         self._adapter_pages = adapter_pages
@@ -125,6 +128,8 @@ class BaseScheduler(ABC):
                 raise ValueError(f"request {req.request_id!r}: ttft_slo_s must be a positive number of seconds")
             self._own_slo += 1
         seq = Sequence(req=req, arrival=self._clock())
+        if self.prefix is not None:
+            seq.expected_cached = self.prefix.peek(req.adapter, req.prompt_ids)
         self.waiting.append(seq)
         self._by_id[req.request_id] = seq
         self._on_add(seq)

@@ -15,6 +15,9 @@ from loraplex.daemon.gpu_cache.predictor import PredictorConfig
 from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS
 
 
+PREFIX_EVICTIONS = ("unified", "separate")
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -45,6 +48,11 @@ class SchedulerConfig:
     # Automatic prefix caching (daemon/memory/prefix_cache.py): full KV pages stay cached after
     # their sequence and are reused by a later prompt with the same prefix and adapter.
     prefix_cache: bool = True
+    # How cached prefix pages and idle adapters share the pool: "unified", one order for both
+    # (whichever was used longer ago leaves first); "separate", the prefix cache holds at most
+    # prefix_cache_share of the pool and idle adapters leave before any prefix page does.
+    prefix_eviction: str = "unified"
+    prefix_cache_share: float = 0.5
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_batched_tokens, self.max_model_len, self.load_groups) <= 0:
@@ -53,5 +61,9 @@ class SchedulerConfig:
             raise ValueError("max_loras_per_batch must be >= 0 (0: no limit)")
         if self.ttft_slo_s is not None and not (math.isfinite(self.ttft_slo_s) and self.ttft_slo_s > 0):
             raise ValueError(f"ttft_slo_s must be a positive number of seconds, got {self.ttft_slo_s!r}")
+        if self.prefix_eviction not in PREFIX_EVICTIONS:
+            raise ValueError(f"prefix_eviction must be one of {PREFIX_EVICTIONS}, got {self.prefix_eviction!r}")
+        if not (0.0 < self.prefix_cache_share <= 1.0):
+            raise ValueError(f"prefix_cache_share must be in (0, 1], got {self.prefix_cache_share!r}")
         if self.cluster_max_skips <= 0:
             raise ValueError("cluster_max_skips must be positive")

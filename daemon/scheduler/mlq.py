@@ -104,7 +104,8 @@ class MlqScheduler(BaseScheduler):
 
     def _features(self, seq: Sequence) -> tuple[int, int, int]:
         req = seq.req
-        return len(req.prompt_ids), self.predictor.predict(req.adapter, req.max_tokens), self.adapter_rank(req.adapter)
+        # The input a request costs is what the prefix cache does not already hold.
+        return seq.prefill_len, self.predictor.predict(req.adapter, req.max_tokens), self.adapter_rank(req.adapter)
 
     def _classify(self, seq: Sequence) -> None:
         self._level[seq.request_id] = bisect.bisect_right(self.cutoffs, self.wrs(*self._features(seq)))

@@ -50,6 +50,7 @@ class Sequence:
     cached_blocks: int = 0
     prefix_open: bool = True
     cached_tokens: int = 0  # prompt tokens whose KV came from the cache at its first admission
+    expected_cached: int = 0  # prompt tokens the cache held when it was queued (what policies cost)
 
     @property
     def request_id(self) -> str:
@@ -69,6 +70,11 @@ class Sequence:
         if start >= n:
             return self.output_ids[start - n:stop - n]
         return prompt[start:] + self.output_ids[:stop - n]
+
+    @property
+    def prefill_len(self) -> int:
+        """Prompt tokens it is expected to compute: those the prefix cache did not hold when it arrived."""
+        return len(self.req.prompt_ids) - self.expected_cached
 
     @property
     def num_uncomputed(self) -> int:

@@ -34,7 +34,7 @@ def map_adapters(events: list[RequestEvent], live: list[str]) -> dict[str, str |
 async def _one(client: AsyncClient, event: RequestEvent, adapter: str | None, started: float,
                record: RequestRecord, vocab: int, timeout_s: float) -> None:
     await asyncio.sleep(max(0.0, started + event.arrival_s - time.perf_counter()))
-    prompt = prompt_tokens(event.request_id, event.prompt_len, vocab)
+    prompt = prompt_tokens(event.prompt_key, event.prompt_len, vocab)
     try:
         stream = client.stream(prompt, adapter=adapter, max_tokens=event.output_len, temperature=0.0,
                                ignore_eos=True, timeout=timeout_s)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.memory.allocator import PageAllocator
@@ -24,7 +24,7 @@ from loraplex.daemon.scheduler.sequence import SeqRequest
 from loraplex.daemon.sim.lcfs import LcfsScheduler
 from loraplex.daemon.sim.profile import SimProfile
 from loraplex.daemon.sim.workload import RequestEvent, prompt_tokens
-from loraplex.ipc.engine_plan import RowResult, SamplingSpec, StepPlan, StepResult
+from loraplex.ipc.engine_plan import RowPlan, RowResult, SamplingSpec, StepPlan, StepResult
 
 MODES = ("cached", "on_demand", "cpu_assist")
 SIM_POLICIES = (*POLICIES, "lcfs")  # lcfs: a baseline only the simulator offers (lcfs.py)
@@ -46,6 +46,8 @@ class SimConfig:
     max_loras_per_batch: int = 0
     prefetch: bool = True
     admit_when_loaded: bool = True  # on_demand: a request waits in the queue while its adapter loads
+    prefix_cache: bool = True  # automatic prefix caching, as scheduler.prefix_cache
+    prefix_eviction: str = "unified"  # unified | separate (SchedulerConfig.prefix_eviction)
     max_steps: int = 2_000_000
 
     def __post_init__(self) -> None:
@@ -106,6 +108,7 @@ class SimResult:
     cache_hits: int
     cache_misses: int
     steps: int
+    prefix: dict[str, int] = field(default_factory=dict)  # prefix-cache counters summed over engines
 
 
 class _Clock:
@@ -142,6 +145,8 @@ class Simulator:
         self.steps = 0
         self._ranks: dict[str, int] = {}
         self._prompt_len: dict[str, int] = {}  # request id -> prompt tokens as queued
+        self._conversations: dict[str, list[int]] = {}  # conversation -> its token stream
+        self._conversation_of_request: dict[str, str] = {}
         self._ended = 0  # requests finished or aborted
         self.engines = [_Engine(i, self._make_scheduler()) for i in range(config.num_engines)]
         # Router snapshots, rebuilt only for engines whose scheduler changed since (add, schedule,
@@ -163,7 +168,8 @@ class Simulator:
             max_num_seqs=p.max_num_seqs, max_batched_tokens=p.max_batched_tokens, max_model_len=p.max_model_len,
             cache_policy=c.cache_policy, prefetch=c.prefetch, cluster_adapters=c.cluster_adapters,
             max_loras_per_batch=c.max_loras_per_batch, ttft_slo_s=c.ttft_slo_ms / 1e3 if c.early_abort else None,
-            admit_when_loaded=c.admit_when_loaded and c.mode == "on_demand")
+            admit_when_loaded=c.admit_when_loaded and c.mode == "on_demand",
+            prefix_cache=c.prefix_cache, prefix_eviction=c.prefix_eviction)
         geometry = PageGeometry(kv_dim=1, page_tokens=p.page_tokens, max_row_width=0)
 
         def pages(name: str) -> int:
@@ -226,8 +232,13 @@ class Simulator:
                 raise RuntimeError(f"simulation did not finish within {self.config.max_steps} steps")
         hits = sum(e.sched.adapters.totals.hits for e in self.engines)
         misses = sum(e.sched.adapters.totals.misses for e in self.engines)
+        prefix: dict[str, int] = {}
+        for eng in self.engines:
+            if eng.sched.prefix is not None:
+                for key, value in asdict(eng.sched.prefix.counters).items():
+                    prefix[key] = prefix.get(key, 0) + value
         return SimResult(self.config, self.profile, [self.records[e.request_id] for e in pending], self.decisions,
-                         self.clock.now, self.pcie_bytes, hits, misses, self.steps)
+                         self.clock.now, self.pcie_bytes, hits, misses, self.steps, prefix)
 
     def _arrive(self, ev: RequestEvent) -> None:
         p = self.profile
@@ -239,8 +250,28 @@ class Simulator:
         self.records[ev.request_id] = RequestRecord(ev, index)
         self._states[index] = None
         self._prompt_len[ev.request_id] = prompt
-        eng.sched.add(SeqRequest(request_id=ev.request_id, prompt_ids=prompt_tokens(ev.request_id, prompt), adapter=ev.adapter,
+        eng.sched.add(SeqRequest(request_id=ev.request_id, prompt_ids=self._stream(ev, prompt), adapter=ev.adapter,
                                  sampling=SamplingSpec(temperature=0.0), max_tokens=ev.output_len, ignore_eos=True))
+
+    def _stream(self, ev: RequestEvent, length: int) -> list[int]:
+        """The first `length` tokens of the request's prompt stream (its conversation's, for a turn)."""
+        if ev.conversation is None:
+            return prompt_tokens(ev.request_id, length)
+        stream = self._conversations.get(ev.conversation)
+        if stream is None:
+            stream = self._conversations[ev.conversation] = prompt_tokens(ev.conversation, self.profile.max_model_len)
+        self._conversation_of_request[ev.request_id] = ev.conversation
+        return stream[:length]
+
+    def _sampled(self, row: RowPlan) -> int:
+        """What the simulated model samples: a conversation turn continues its conversation's stream
+        (so the next turn's prompt holds this turn's answer, as a chat history does); others _TOKEN."""
+        conversation = self._conversation_of_request.get(row.request_id)
+        if conversation is None:
+            return _TOKEN
+        stream = self._conversations[conversation]
+        position = row.start_pos + len(row.token_ids)
+        return stream[position] if position < len(stream) else _TOKEN
 
     def _state(self, eng: _Engine) -> EngineState:
         state = self._states[eng.index]
@@ -316,7 +347,7 @@ class Simulator:
             return
         eng.plan = None
         self._states[eng.index] = None
-        rows = [RowResult(r.request_id, _TOKEN, None) for r in plan.rows if r.sample]
+        rows = [RowResult(r.request_id, self._sampled(r), None) for r in plan.rows if r.sample]
         for row in rows:
             rec = self.records[row.request_id]
             if rec.first_token_s is None:

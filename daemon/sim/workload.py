@@ -32,6 +32,14 @@ class RequestEvent:
     rank: int  # 0 for the base model
     prompt_len: int
     output_len: int
+    # A turn of a multi-turn conversation: its prompt is the conversation's token stream up to
+    # prompt_len (each turn's prompt extends the last); None: a prompt of its own.
+    conversation: str | None = None
+
+    @property
+    def prompt_key(self) -> str:
+        """What its prompt tokens are built from (prompt_tokens)."""
+        return self.conversation or self.request_id
 
 
 @dataclass(frozen=True, slots=True)
