@@ -70,3 +70,46 @@ def test_replacing_an_adapter_drops_its_cached_prefixes(demo, tmp_path) -> None:
         assert replaced.usage["cached_tokens"] == 0  # computed again with the new weights
     finally:
         assert daemon.stop() == 0, daemon.log()
+
+
+def _mixed_run(demo, root, *, prefix_cache: bool) -> tuple[list, dict]:
+    env = {"LORAPLEX_SCHEDULER_PREFIX_CACHE": "true" if prefix_cache else "false"}
+    root.mkdir()
+    daemon = DaemonProcess(root, "--num-pages", "140", env=env).start()
+    rng = random.Random(21)
+    systems = [_prompt(100 + i, 70) for i in range(3)]
+    adapters = [None, "qv-r8", "all-r32", "mlp-r64"]
+    waves = [[(systems[i % 3] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 30))], adapters[i % 4])
+              for i in range(12)] for _ in range(2)]
+
+    async def run() -> list:
+        async with AsyncClient(runtime_dir=daemon.runtime_dir) as client:
+            out = []
+            for wave in waves:
+                out += await asyncio.gather(*[
+                    client.generate(p, adapter=a, max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True,
+                                    timeout=180) for p, a in wave])
+            return out
+
+    try:
+        results = asyncio.run(run())
+        with daemon.client() as c:
+            stats = c.stats()
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+    return results, stats
+
+
+def test_tokens_and_logprobs_are_the_same_with_the_prefix_cache_on_and_off(demo, tmp_path) -> None:
+    """Mixed adapters and base rows sharing system prompts, in a pool tight enough to preempt
+    and evict: the prefix cache changes what is computed, never what is sampled."""
+    on, on_stats = _mixed_run(demo, tmp_path / "on", prefix_cache=True)
+    off, off_stats = _mixed_run(demo, tmp_path / "off", prefix_cache=False)
+    assert off_stats["prefix_cache"] is None
+    assert on_stats["prefix_cache"]["hit_tokens"] > 0
+    # A preempted request finds its own pages again: counted as hits, not as its cached_tokens.
+    assert on_stats["prefix_cache"]["hit_tokens"] >= sum(r.usage["cached_tokens"] for r in on) > 0
+    assert on_stats["preemptions"] + on_stats["adapter_evictions"] > 0, "the pool was not tight"
+    for a, b in zip(on, off):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
