@@ -252,3 +252,22 @@ def test_separate_budgets_cap_the_prefix_cache_and_evict_adapters_first() -> Non
         assert (engine.seqs[req.request_id].output_ids, "length") == (reference(req, 256)[0], "length")
     with pytest.raises(ValueError, match="prefix_eviction"):
         SchedulerConfig(prefix_eviction="lru")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "mlq", "dlora"])
+def test_siblings_wait_for_the_prompt_one_of_them_is_computing(policy) -> None:
+    """n > 1 (or a burst of one prompt): requests queued together compute their shared prompt
+    once; the others wait for its pages instead of computing them again, and pass nobody's
+    tokens (a request with another prompt is not held up by them)."""
+    rng = random.Random(4)
+    prompt = [rng.randrange(3, 60) for _ in range(6 * PAGE + 2)]
+    sched = build(policy, 200, max_batched_tokens=16)  # the prompt takes two steps to prefill
+    engine = FakeEngine(sched)
+    siblings = [engine.add(request(f"s{i}", prompt, 3, "cat", seed=i)) for i in range(3)]
+    other = engine.add(request("other", [rng.randrange(3, 60) for _ in range(5)], 3, "cat"))
+    engine.run()
+    assert [s.cached_tokens for s in siblings] == [0, 6 * PAGE, 6 * PAGE]
+    assert engine.first_step["other"] <= engine.first_step["s1"]
+    for seq in siblings + [other]:
+        assert (seq.output_ids, seq.finish_reason) == reference(seq.req, 256)
+    assert_drained(sched)

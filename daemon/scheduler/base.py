@@ -286,6 +286,13 @@ class BaseScheduler(ABC):
             return False
         if self._awaiting and not self._leaves_room_for_awaiting(seq, n):
             return False
+        if self._prefix_in_flight(seq):
+            # Wait a step or two for a running sequence to compute (and cache) the prompt pages
+            # this one shares with it, instead of computing them twice (n > 1 siblings, a burst
+            # of one system prompt); like a request awaiting its adapter, others may pass it.
+            self._awaiting.add(seq.request_id)
+            self._held_pages += self._chunk_kv_pages(seq, n)
+            return False
         if adapter is not None and self._must_await_load(adapter):
             if self.adapters.place_ahead(adapter, self._adapter_pages(adapter), self.config.load_groups):
                 self._awaiting.add(seq.request_id)
@@ -331,6 +338,24 @@ class BaseScheduler(ABC):
         if seq.first_scheduled is None:
             seq.cached_tokens = seq.num_computed
         return min(n, seq.num_uncomputed)
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether a running sequence with the same adapter is computing, in its prefill, the next
+        full page of `seq`'s prompt that the prefix cache does not hold yet."""
+        if self.prefix is None or seq.kv_pages or seq.num_computed:
+            return False
+        size = self.geometry.page_tokens
+        prompt = seq.req.prompt_ids
+        start = self.prefix.peek(seq.req.adapter, prompt, self._merged(seq))
+        if len(prompt) - start <= size:
+            return False  # no full page left to share (its last token is computed anyway)
+        block = prompt[start:start + size]
+        for other in self.running:
+            theirs = other.req.prompt_ids
+            if (other.req.adapter == seq.req.adapter and other.num_computed < start + size <= len(theirs) - 1
+                    and theirs[start:start + size] == block):
+                return True
+        return False
 
     def _merged(self, seq: Sequence) -> bool:
         """Whether `seq`'s adapter runs merged into the base weights (dLoRA): its KV differs in
