@@ -14,10 +14,11 @@ from safetensors.torch import save_file
 
 from loraplex.contracts.geometry import PageGeometry
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter, load_peft_adapter
-from loraplex.gpu_engine.lora.torch_backend import LoraGroup, ResidentLora
-from loraplex.gpu_engine.model.batch import ForwardBatch, RowSpan
+from loraplex.gpu_engine.lora.torch_backend import ResidentLora
+from loraplex.gpu_engine.model.batch import ForwardBatch
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.weights import load_weights
+from loraplex.gpu_engine.tp.whole_rows import whole_rows_batch
 
 NUM_PAGES = 512
 
@@ -45,31 +46,6 @@ class Case:
 def load_case_adapters(case: Case, cfg: ModelConfig) -> list[HostAdapter]:
     return [load_peft_adapter(name, path, cfg, max_lora_rank=128, dtype=torch.float32)
             for name, path in case.adapters.items()]
-
-
-def _batch(rows: list[tuple[list[int], int, list[int], ResidentLora | None]], geometry: PageGeometry
-           ) -> ForwardBatch:
-    """rows: (token ids, start position, KV pages, placed adapter or None); one token sampled per row."""
-    tokens, positions, page_ids, slots, spans, samples, groups = [], [], [], [], [], [], []
-    pt = geometry.page_tokens
-    for ids, start, pages, lora in rows:
-        first = len(tokens)
-        context = start + len(ids)
-        tokens += ids
-        positions += list(range(start, context))
-        page_ids += [pages[p // pt] for p in range(start, context)]
-        slots += [p % pt for p in range(start, context)]
-        spans.append(RowSpan(first=first, count=len(ids), start_pos=start, context=context,
-                             pages=torch.tensor(pages[: geometry.kv_pages_for(context)])))
-        samples.append(first + len(ids) - 1)
-        if lora is not None:
-            if groups and groups[-1].lora is lora and groups[-1].end == first:
-                groups[-1].end += len(ids)
-            else:
-                groups.append(LoraGroup(lora, first, first + len(ids)))
-    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    return ForwardBatch(token_ids=t(tokens), positions=t(positions), kv_page_ids=t(page_ids), kv_slots=t(slots),
-                        rows=spans, sample_tokens=t(samples), lora_groups=groups)
 
 
 def greedy_run(case: Case, geometry: PageGeometry, adapters: list[HostAdapter],
@@ -102,7 +78,7 @@ def _greedy(case, geometry, adapters, place, layout_pages, forward, share):
     positions = [len(p) for p in case.prompts]
     all_logits, all_tokens = [], []
     for _ in range(case.new_tokens):
-        logits = forward(_batch(step_rows, geometry))
+        logits = forward(whole_rows_batch(step_rows, geometry))
         tokens = torch.zeros(len(step_rows), dtype=torch.int64)
         if logits is not None:
             all_logits.append(logits)
