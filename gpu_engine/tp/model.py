@@ -56,8 +56,9 @@ class TpLlamaModel(LlamaModel):
         return self.comm.all_reduce(h, "embed")
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor | None:
-        logits = self.comm.gather_last(F.linear(last, self.w.lm_head).float(), "lm_head")
-        return None if logits is None else logits[:, : self.full_vocab]
+        # gathered in the model's dtype (half the bytes of float32 under bf16), widened afterwards: the same values
+        logits = self.comm.gather_last(F.linear(last, self.w.lm_head), "lm_head")
+        return None if logits is None else logits[:, : self.full_vocab].float()
 
     def _proj(self, layer: LayerWeights, name: str, x: torch.Tensor, flat: torch.Tensor,
               groups: list[LoraGroup]) -> torch.Tensor:
