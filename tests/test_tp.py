@@ -154,3 +154,20 @@ def test_models_that_cannot_split_are_refused(overrides, n, what):
         TensorParallelPlan.for_model(cfg, n)
     with pytest.raises(ValueError, match="positive"):
         TensorParallelPlan.for_model(cfg, 0)
+
+
+def test_tp2_biases_tied_embeddings_and_a_vocabulary_that_does_not_split(tmp_path):
+    """q/k/v/o/MLP biases (column biases sliced, row biases added once after the all-reduce), an LM head
+    tied to the embedding, and 509 tokens padded to 510 across two ranks."""
+    from loraplex.gpu_engine.demo import llama_config, write_random_checkpoint
+
+    config = llama_config(attention_bias=True, mlp_bias=True, tie_word_embeddings=True, vocab_size=509)
+    write_random_checkpoint(tmp_path / "model", config, seed=11)
+    write_random_adapter(tmp_path / "a", config, rank=3, alpha=6.0, target_modules=ALL, seed=12)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 509, (n,), generator=g).tolist() for n in (9, 30, 17)]
+    case = Case(model_dir=str(tmp_path / "model"), adapters={"a": str(tmp_path / "a")}, prompts=prompts,
+                names=["a", None, "a"], new_tokens=3, page_tokens=8)
+    out = tmp_path / "out"
+    out.mkdir()
+    _compare(spawn_ranks(2, case, out), single_device_run(case))
