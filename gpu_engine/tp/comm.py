@@ -7,6 +7,7 @@ pickled: only tensors cross (torch.distributed's object collectives are never us
 """
 from __future__ import annotations
 
+import datetime
 import socket
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -56,8 +57,6 @@ class TpComm:
     def init(cls, rank: int, world_size: int, port: int, *, backend: str = "gloo",
              timeout_s: float = 60.0) -> TpComm:
         """Join the group at tcp://127.0.0.1:port (rank 0 hosts the store)."""
-        import datetime
-
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
