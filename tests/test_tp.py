@@ -147,6 +147,7 @@ def test_layouts_agree_between_ranks_and_the_daemon_side():
     (dict(num_attention_heads=8, num_key_value_heads=4), 8, "key/value heads"),
     (dict(num_attention_heads=6, num_key_value_heads=6, head_dim=32), 4, "attention heads"),
     (dict(intermediate_size=702), 4, "intermediate_size"),
+    (dict(hidden_size=254), 4, "hidden_size"),
 ])
 def test_models_that_cannot_split_are_refused(overrides, n, what):
     cfg = ModelConfig.from_hf({**demo_model_config(), **overrides})

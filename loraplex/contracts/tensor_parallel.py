@@ -59,6 +59,8 @@ class TensorParallelPlan:
                              f"tensor_parallel_size must divide num_key_value_heads")
         if self.intermediate_size % n:
             raise ValueError(f"cannot split intermediate_size={self.intermediate_size} over {n} ranks")
+        if self.hidden_size % n:  # the LoRA B of o/down splits along hidden
+            raise ValueError(f"cannot split hidden_size={self.hidden_size} over {n} ranks")
 
     @classmethod
     def for_model(cls, cfg, world_size: int) -> TensorParallelPlan:
