@@ -41,7 +41,7 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: UnifiedPool) -> torch.Tensor:
         """Returns float32 logits [S, vocab] for the sampled tokens."""
-        h = F.embedding(batch.token_ids, self.w.embed)  # [T, hidden]
+        h = self._embed(batch.token_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
         cpu = batch.cpu
         for layer_idx, layer in enumerate(self.w.layers):
@@ -70,6 +70,13 @@ class LlamaModel:
                 cpu.collect(layer_idx, 3, act, {"down_proj": down})
             h = h + down
         last = rms_norm(h.index_select(0, batch.sample_tokens), self.w.norm, self.cfg.rms_norm_eps)
+        return self._logits(last)
+
+    # _embed, _proj and _logits are where a tensor-parallel rank (gpu_engine/tp/model.py) differs.
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.w.embed)
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
         return F.linear(last, self.w.lm_head).float()
 
     def _gpu_groups(self, batch: ForwardBatch, layer: int) -> list[LoraGroup]:

@@ -99,18 +99,26 @@ def plan_adapter_layout(geometry: PageGeometry, module_shapes: dict[str, tuple[i
     """
     if rank <= 0:
         raise ValueError("rank must be positive")
+    rows = {name: (rank, module_shapes[name][0], rank, module_shapes[name][1]) for name in targets}
+    return pack_adapter_rows(geometry, rows, rank)
+
+
+def pack_adapter_rows(geometry: PageGeometry, rows: dict[str, tuple[int, int, int, int]],
+                      rank: int) -> AdapterLayout:
+    """First-fit decreasing packing of each module's (A rows, A width, B^T rows, B^T width), in
+    `rows`' order: plan_adapter_layout's rows, or a tensor-parallel rank's shards of them
+    (contracts.tensor_parallel), whose counts and widths differ from the rank and the fans."""
     page_elems = geometry.page_elems
-    rows: list[tuple[int, str, str, int]] = []  # (width, module, "a"|"b", j)
-    for name in targets:
-        fan_in, fan_out = module_shapes[name]
-        rows += [(fan_in, name, "a", j) for j in range(rank)]
-        rows += [(fan_out, name, "b", j) for j in range(rank)]
-    rows.sort(key=lambda r: -r[0])
-    if rows and rows[0][0] > page_elems:
-        raise ValueError(f"{rows[0][1]} has rows of {rows[0][0]} elements, wider than a page ({page_elems})")
+    flat: list[tuple[int, str, str, int]] = []  # (width, module, "a"|"b", j)
+    for name, (a_rows, a_width, b_rows, b_width) in rows.items():
+        flat += [(a_width, name, "a", j) for j in range(a_rows)]
+        flat += [(b_width, name, "b", j) for j in range(b_rows)]
+    flat.sort(key=lambda r: -r[0])
+    if flat and flat[0][0] > page_elems:
+        raise ValueError(f"{flat[0][1]} has rows of {flat[0][0]} elements, wider than a page ({page_elems})")
     fill: list[int] = []  # used elements per page
     placed: dict[tuple[str, str, int], tuple[int, int]] = {}
-    for width, name, kind, j in rows:
+    for width, name, kind, j in flat:
         for p, used in enumerate(fill):
             if used + width <= page_elems:
                 break
@@ -120,13 +128,12 @@ def plan_adapter_layout(geometry: PageGeometry, module_shapes: dict[str, tuple[i
         placed[(name, kind, j)] = (p, fill[p])
         fill[p] += width
     modules = {}
-    for name in targets:
-        fan_in, fan_out = module_shapes[name]
+    for name, (a_rows, a_width, b_rows, b_width) in rows.items():
         modules[name] = ModuleRows(
-            in_features=fan_in,
-            out_features=fan_out,
-            a=tuple(placed[(name, "a", j)] for j in range(rank)),
-            b=tuple(placed[(name, "b", j)] for j in range(rank)),
+            in_features=a_width,
+            out_features=b_width,
+            a=tuple(placed[(name, "a", j)] for j in range(a_rows)),
+            b=tuple(placed[(name, "b", j)] for j in range(b_rows)),
         )
     return AdapterLayout(rank=rank, num_pages=len(fill), modules=modules, used_elems=sum(fill))
 

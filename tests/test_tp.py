@@ -1,0 +1,191 @@
+"""Tensor parallelism on CPU: N gloo rank processes give the logits of the
+single-device engine (fp32 tolerance) and the greedy tokens of transformers +
+PEFT, for mixed batches of base rows and adapters with odd ranks, rsLoRA, MLP
+targets and GQA; every rank holds 1/N of each adapter in a layout that is the
+same on every rank; models that cannot be split N ways are refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.contracts.tensor_parallel import COLUMN_PARALLEL, TensorParallelPlan
+from loraplex.gpu_engine.demo import demo_model_config, write_random_adapter
+from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
+from loraplex.gpu_engine.model.config import ModelConfig
+from loraplex.gpu_engine.pool import UnifiedPool
+from loraplex.gpu_engine.lora.torch_backend import place_adapter
+from loraplex.gpu_engine.tp.partition import shard_adapter
+from tests.tp_support import Case, single_device_run, spawn_ranks
+
+LOGIT_TOL = 1e-4
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Odd ranks (padded to a multiple of N on the column-parallel side), rsLoRA, MLP-only targets.
+ODD = {"odd-r5": (5, ALL, False), "odd-r7-rs": (7, ["q_proj", "v_proj", "o_proj", "down_proj"], True),
+       "odd-r3-mlp": (3, ["gate_proj", "up_proj", "down_proj"], False)}
+
+
+@pytest.fixture(scope="module")
+def adapters(demo, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-adapters")
+    out = {name: str(path) for name, path in demo.adapters.items()}
+    for i, (name, (rank, targets, rs)) in enumerate(ODD.items()):
+        write_random_adapter(root / name, demo_model_config(), rank=rank, alpha=1.5 * rank, target_modules=targets,
+                             seed=300 + i, use_rslora=rs)
+        out[name] = str(root / name)
+    return out
+
+
+def _case(demo, adapters, names, new_tokens, seed=0) -> Case:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [int(n) for n in torch.randint(5, 40, (len(names),), generator=g)]
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+    return Case(model_dir=str(demo.model_dir), adapters=adapters, prompts=prompts, names=names,
+                new_tokens=new_tokens, page_tokens=8)
+
+
+def _compare(result, reference):
+    ref_logits, ref_tokens = reference
+    assert torch.equal(result["tokens"], ref_tokens)
+    worst = (result["logits"] - ref_logits).abs().max().item()
+    assert worst < LOGIT_TOL, f"logits differ by {worst}"
+
+
+MIXED = [None, "odd-r5", "qv-r8", "odd-r5", "all-r32", None, "mlp-r64", "odd-r7-rs", "rslora-r16", "odd-r3-mlp",
+         "kdown-r8", "attn-r16"]
+
+
+def test_tp2_equals_single_device_and_peft(demo, adapters, tmp_path):
+    from tests.hf_reference import greedy
+
+    case = _case(demo, adapters, MIXED, new_tokens=4)
+    result = spawn_ranks(2, case, tmp_path)
+    _compare(result, single_device_run(case))
+    for row in (0, 1, 7, 9):  # base, odd rank with every target, odd rank with rsLoRA, MLP only
+        name = case.names[row]
+        ref_tokens, _ = greedy(demo.model_dir, None if name is None else adapters[name], case.prompts[row],
+                               case.new_tokens)
+        assert result["tokens"][row].tolist() == ref_tokens, f"row {row} ({name})"
+
+
+def test_tp4_equals_single_device(demo, adapters, tmp_path):
+    # the demo's 4 KV heads: one per rank
+    case = _case(demo, adapters, MIXED[:8], new_tokens=2, seed=1)
+    _compare(spawn_ranks(4, case, tmp_path), single_device_run(case))
+
+
+def test_collective_bytes_match_the_plan(demo, adapters, tmp_path):
+    """One adapter with every target: what the collectives carried equals the plan's per-token figures."""
+    case = _case(demo, adapters, ["odd-r5", "odd-r5"], new_tokens=2, seed=2)
+    result = spawn_ranks(2, case, tmp_path)
+    cfg = ModelConfig.from_dir(demo.model_dir)
+    plan = TensorParallelPlan.for_model(cfg, 2)
+    tokens = sum(len(p) for p in case.prompts) + len(case.prompts)  # prefill, then one decode token per row
+    samples = 2 * len(case.prompts)
+    per_layer_lora = sum(plan.lora_comm(m, 5) for m in ALL)
+    assert result["bytes.lora"].item() == 4 * tokens * cfg.num_layers * per_layer_lora
+    assert result["bytes.base"].item() == 4 * tokens * cfg.num_layers * plan.base_comm_per_layer()
+    assert result["bytes.embed"].item() == 4 * tokens * plan.base_comm_per_model()["embed"]
+    assert result["bytes.lm_head"].item() == 4 * samples * plan.base_comm_per_model()["lm_head"]
+
+
+def _demo_plan(n: int) -> TensorParallelPlan:
+    return TensorParallelPlan.for_model(ModelConfig.from_hf(demo_model_config()), n)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_each_rank_holds_a_1_over_n_shard_in_a_rank_independent_layout(demo, n):
+    cfg = ModelConfig.from_dir(demo.model_dir)
+    plan = TensorParallelPlan.for_model(cfg, n)
+    geometry = plan.geometry(8)
+    adapter = load_peft_adapter("all-r32", demo.adapters["all-r32"], cfg, max_lora_rank=64, dtype=torch.float32)
+    layout = plan.adapter_layout(geometry, adapter.spec.targets, adapter.spec.rank)
+    pages = [5 + 3 * i for i in range(layout.num_pages)]  # scattered, the same indices on every rank
+    gathered_a: dict[str, list[torch.Tensor]] = {m: [] for m in ALL}
+    gathered_b: dict[str, list[torch.Tensor]] = {m: [] for m in ALL}
+    for rank in range(n):
+        shard = shard_adapter(adapter, plan, rank)
+        for m in ALL:  # 1/N of each matrix (r = 32 needs no padding), never the whole
+            assert shard.a[0][m].numel() * n == adapter.a[0][m].numel()
+            assert shard.b[0][m].numel() * n == adapter.b[0][m].numel()
+        pool = UnifiedPool(cfg.num_layers, 5 + 3 * layout.num_pages, geometry, device=torch.device("cpu"),
+                           dtype=torch.float32)
+        resident = place_adapter(pool, shard, layout, pages)
+        flat = pool.layer_flat(2)
+        for m, (ia, ib) in resident.index.items():
+            gathered_a[m].append(flat[ia])
+            gathered_b[m].append(flat[ib].t())
+    for m in ALL:  # the shards read back from every rank's pages rebuild A and B
+        a_dim = 0 if m in COLUMN_PARALLEL else 1
+        assert torch.equal(torch.cat(gathered_a[m], dim=a_dim), adapter.a[2][m])
+        assert torch.equal(torch.cat(gathered_b[m], dim=0), adapter.b[2][m])
+
+
+def test_odd_rank_pads_only_the_column_parallel_side():
+    plan = _demo_plan(4)
+    assert plan.lora_rows("q_proj", 5) == (2, 256, 8, 64)  # A: ceil(5/4) rows of hidden; B^T: 8 rows of q/N
+    assert plan.lora_rows("down_proj", 5) == (5, 704 // 4, 5, 64)
+    a = torch.randn(5, 256)
+    b = torch.randn(256, 5)
+    from loraplex.gpu_engine.tp.partition import shard_lora
+
+    shards = [shard_lora("q_proj", a, b, plan, r) for r in range(4)]
+    rebuilt = torch.cat([s[1] for s in shards], dim=0) @ torch.cat([s[0] for s in shards], dim=0)
+    assert torch.allclose(rebuilt, b @ a, atol=1e-5)
+
+
+def test_layouts_agree_between_ranks_and_the_daemon_side():
+    """Nothing in the layout depends on the rank: two plans built independently (a rank and the
+    torch-free daemon) give equal layouts, page tokens and KV widths."""
+    one, other = _demo_plan(2), _demo_plan(2)
+    g1, g2 = one.geometry(8), other.geometry(8)
+    assert g1 == g2 and g1.kv_dim == 64 and g1.page_tokens == 8
+    for rank in (3, 8, 64):
+        assert one.adapter_layout(g1, ALL, rank) == other.adapter_layout(g2, ALL, rank)
+
+
+@pytest.mark.parametrize("overrides, n, what", [
+    (dict(num_attention_heads=8, num_key_value_heads=4), 8, "key/value heads"),
+    (dict(num_attention_heads=6, num_key_value_heads=6, head_dim=32), 4, "attention heads"),
+    (dict(intermediate_size=702), 4, "intermediate_size"),
+    (dict(hidden_size=254), 4, "hidden_size"),
+])
+def test_models_that_cannot_split_are_refused(overrides, n, what):
+    cfg = ModelConfig.from_hf({**demo_model_config(), **overrides})
+    with pytest.raises(ValueError, match=what):
+        TensorParallelPlan.for_model(cfg, n)
+    with pytest.raises(ValueError, match="positive"):
+        TensorParallelPlan.for_model(cfg, 0)
+
+
+def test_tp2_biases_tied_embeddings_and_a_vocabulary_that_does_not_split(tmp_path):
+    """q/k/v/o/MLP biases (column biases sliced, row biases added once after the all-reduce), an LM head
+    tied to the embedding, and 509 tokens padded to 510 across two ranks."""
+    from loraplex.gpu_engine.demo import llama_config, write_random_checkpoint
+
+    config = llama_config(attention_bias=True, mlp_bias=True, tie_word_embeddings=True, vocab_size=509)
+    write_random_checkpoint(tmp_path / "model", config, seed=11)
+    write_random_adapter(tmp_path / "a", config, rank=3, alpha=6.0, target_modules=ALL, seed=12)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 509, (n,), generator=g).tolist() for n in (9, 30, 17)]
+    case = Case(model_dir=str(tmp_path / "model"), adapters={"a": str(tmp_path / "a")}, prompts=prompts,
+                names=["a", None, "a"], new_tokens=3, page_tokens=8)
+    out = tmp_path / "out"
+    out.mkdir()
+    _compare(spawn_ranks(2, case, out), single_device_run(case))
+
+
+def test_a_rank_refuses_cpu_assisted_rows(demo):
+    """Row-parallel sites see x split across ranks: CPU-assisted rows are refused until that is built."""
+    from loraplex.gpu_engine.model.weights import load_weights
+    from loraplex.gpu_engine.tp.comm import TpComm
+    from loraplex.gpu_engine.tp.rank import TpRank
+    from loraplex.gpu_engine.tp.whole_rows import whole_rows_batch
+
+    cfg = ModelConfig.from_dir(demo.model_dir)
+    rank = TpRank(cfg, load_weights(demo.model_dir, cfg, device=torch.device("cpu"), dtype=torch.float32),
+                  TpComm(0, 1), 8, page_tokens=8)
+    batch = whole_rows_batch([([5, 6, 7], 0, [0], None)], rank.geometry)
+    assert rank.forward(batch).shape == (1, cfg.vocab_size)  # one rank: the single-device model
+    batch.cpu = object()
+    with pytest.raises(ValueError, match="CPU-assisted"):
+        rank.forward(batch)
