@@ -1,0 +1,152 @@
+"""The client the ingress's gateway uses instead of a daemon socket: the same calls as
+AsyncClient (stream, adapters, stats, ping, close), carried to the replicas by Serve deployment
+handles, so the request router places each generate.
+
+A stream that fails before its first chunk because its replica or the replica's daemon died is
+sent again (another replica may take it; nothing was shown to the client yet). One that fails
+after its first chunk ends with a clear `unavailable` error, never silently and never twice.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from loraplex.cluster import wire
+from loraplex.cluster.stats import aggregate
+from loraplex.ipc.client_types import AdapterInfo, GenerateResult, StreamChunk
+from loraplex.ipc.errors import ErrorCode, LoraplexError
+
+log = logging.getLogger("loraplex.cluster")
+RETRIES_BEFORE_FIRST_CHUNK = 2
+# A replica that reports these before its first chunk lost its daemon; another replica may serve.
+_RETRYABLE = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.ENGINE_FAILED, ErrorCode.SHUTTING_DOWN})
+
+
+def _unavailable(what: str, exc: BaseException) -> LoraplexError:
+    return LoraplexError(ErrorCode.UNAVAILABLE, f"{what}: {type(exc).__name__}: {exc}")
+
+
+async def _call(response: Any, timeout: float | None, what: str) -> Any:
+    """Await a DeploymentResponse as the client library would a daemon reply."""
+    try:
+        return await asyncio.wait_for(response, timeout)
+    except asyncio.TimeoutError:
+        response.cancel()
+        raise LoraplexError(ErrorCode.TIMEOUT, f"{what} timed out after {timeout:g} s") from None
+    except LoraplexError:
+        raise
+    except Exception as exc:  # Ray's errors: the replica died, the deployment is gone...
+        raise _unavailable(f"{what} failed in the cluster", exc) from None
+
+
+class ClusterStream:
+    """As AsyncStream: async iterator of StreamChunk, `.result` once it ended, `aclose()`."""
+
+    def __init__(self, replicas: Any, payload: dict[str, Any], model_id: str, timeout: float | None) -> None:
+        self._replicas = replicas
+        self._payload = payload
+        self._model_id = model_id
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._timeout = timeout
+        self._gen: Any = None
+        self._chunks = 0
+        self._retries = 0
+        self._finished = False
+        self.result: GenerateResult | None = None
+
+    def _open(self) -> Any:
+        options: dict[str, Any] = {"stream": True}
+        if self._model_id:
+            options["multiplexed_model_id"] = self._model_id
+        return self._replicas.options(**options).generate.remote(self._payload)
+
+    def __aiter__(self) -> ClusterStream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        while True:
+            if self._finished:
+                raise StopAsyncIteration
+            if self._gen is None:
+                self._gen = self._open()
+            try:
+                event = await self._next_event()
+            except LoraplexError as exc:
+                if self._chunks == 0 and exc.code in _RETRYABLE and self._retries < RETRIES_BEFORE_FIRST_CHUNK:
+                    log.warning("a replica failed before the first token (%s); sending the request again", exc)
+                    self._retries += 1
+                    self._gen = None
+                    continue
+                self._finished = True
+                raise
+            if "chunk" in event:
+                self._chunks += 1
+                return wire.to_chunk(event["chunk"])
+            self._finished = True
+            if "result" in event:
+                self.result = wire.to_result(event["result"])
+                raise StopAsyncIteration
+            raise wire.to_error(event.get("error") or {})
+
+    async def _next_event(self) -> dict[str, Any]:
+        remaining = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+        try:
+            return await asyncio.wait_for(self._gen.__anext__(), remaining)
+        except StopAsyncIteration:
+            raise LoraplexError(ErrorCode.UNAVAILABLE, "the replica's stream ended without a result") from None
+        except asyncio.TimeoutError:
+            self._gen.cancel()
+            raise LoraplexError(ErrorCode.TIMEOUT, f"the request timed out after {self._timeout:g} s") from None
+        except LoraplexError:
+            raise
+        except Exception as exc:  # the replica actor died or Serve cancelled the call
+            where = "before its first token" if self._chunks == 0 else f"after {self._chunks} chunks"
+            raise _unavailable(f"the replica serving the request failed {where}", exc) from None
+
+    async def aclose(self) -> None:
+        was_open, self._finished = not self._finished, True
+        if was_open and self._gen is not None:
+            self._gen.cancel()  # Serve cancels the replica's generator, which cancels on its daemon
+
+
+class ClusterClient:
+    """The AsyncClient calls the gateway makes, against the replicas deployment and the board."""
+
+    def __init__(self, replicas: Any, board: Any, *, multiplexed: bool, name: str = "ray-serve") -> None:
+        self._replicas = replicas
+        self._board = board
+        self._multiplexed = multiplexed
+        self.endpoint = name
+
+    def stream(self, prompt: str | Sequence[int], adapter: str | None = None, *, timeout: float | None = None,
+               **options: Any) -> ClusterStream:
+        payload = wire.request(prompt, adapter, {**options, "timeout": timeout})
+        model_id = adapter if (adapter and self._multiplexed) else ""
+        return ClusterStream(self._replicas, payload, model_id, timeout)
+
+    async def adapters(self, *, timeout: float | None = 10.0) -> list[AdapterInfo]:
+        entries = await _call(self._replicas.adapters.remote(), timeout, "listing adapters")
+        return [AdapterInfo.from_entry(e) for e in entries]
+
+    async def ping(self, *, timeout: float | None = 10.0) -> float:
+        return await _call(self._replicas.ping.remote(), timeout, "ping")
+
+    async def stats(self, *, timeout: float | None = 10.0) -> dict[str, object]:
+        """The replicas' latest daemon snapshots (from the board) added up; `unavailable` when
+        no replica reported recently."""
+        snapshots = await _call(self._board.snapshots.remote(), timeout, "reading the replicas' stats")
+        total = aggregate(snapshots.values())
+        if total is None:
+            raise LoraplexError(ErrorCode.UNAVAILABLE, "no replica reported stats recently")
+        total["replicas"] = len(snapshots)
+        return total
+
+    async def replica_snapshots(self, *, timeout: float | None = 10.0) -> dict[str, tuple[dict, dict]]:
+        """Each live replica's latest (daemon stats snapshot, routing stats), from the board."""
+        return await _call(self._board.replicas.remote(), timeout, "reading the replicas' stats")
+
+    async def close(self) -> None:
+        return None  # the handles belong to Serve
