@@ -1,0 +1,116 @@
+"""The cluster's pure parts, without Ray running: placement (the daemon's rank-aware policy
+plus adapter affinity over replicas' routing stats), the cluster-wide stats sum, the wire
+conversions, the settings, and that the cluster package never imports torch."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from loraplex.cluster.config import ClusterConfig
+from loraplex.cluster.placement import Placement, ReplicaView, rank_of
+from loraplex.cluster.stats import Flight, FlightTable, aggregate, routing_stats
+from loraplex.daemon.router import RankAwareRouter, RequestInfo
+from loraplex.ipc.client_types import GenerateResult, StreamChunk
+from loraplex.ipc.errors import ErrorCode, LoraplexError
+
+
+def _stats(running=(), gpu=(), host=(), **extra) -> dict:
+    return {"at": 0.0, "healthy": True, "running": [list(r) for r in running], "waiting": [], "gpu": list(gpu),
+            "host": list(host), "ranks": {}, "step_ms": 0.0, "max_num_seqs": 256, **extra}
+
+
+def test_placement_is_the_daemons_rank_aware_policy() -> None:
+    # Toppings Fig. 6 (daemon/router/rank_aware.py): 24 rank-32 requests on one replica, 16 rank-64 on
+    # the other, SLO 36 ms, a new rank-64 request: BGMV sends it to the rank-64 batch, MBGMV to the rank-32 one.
+    a = ReplicaView("a", _stats(running=[("r32", 32, 100)] * 24, gpu=["r32", "r64"]))
+    b = ReplicaView("b", _stats(running=[("r64", 64, 100)] * 16, gpu=["r32", "r64"]))
+    request = RequestInfo("x", "r64", rank=64, prompt_len=8, max_tokens=100)
+    bgmv = Placement(RankAwareRouter(kernel="bgmv", slo_ms=36.0))
+    mbgmv = Placement(RankAwareRouter(kernel="mbgmv", slo_ms=36.0))
+    assert bgmv.order(request, [a, b])[0] == 1
+    assert mbgmv.order(request, [a, b])[0] == 0
+    # the same decisions as the daemon's router on the same engines
+    engines = [a.engine(0), b.engine(1)]
+    assert RankAwareRouter(kernel="bgmv").choose(request, engines) == 1
+    assert RankAwareRouter(kernel="mbgmv").choose(request, engines) == 0
+
+
+def test_adapter_affinity_by_tier_then_last_replica() -> None:
+    rng = random.Random()
+    names = [f"replica-{rng.randrange(10**6)}-{i}" for i in range(3)]
+    request = RequestInfo("x", "hot", rank=16, prompt_len=rng.randrange(1, 50), max_tokens=rng.randrange(1, 50))
+    placement = Placement(miss_ms=20.0, host_miss_ms=5.0)
+    views = [ReplicaView(names[0], _stats()), ReplicaView(names[1], _stats(host=["hot"])),
+             ReplicaView(names[2], _stats(gpu=["hot"]))]
+    assert placement.order(request, views) == [2, 1, 0]
+    # nowhere resident: the replica it was last sent to wins the tie
+    views = [ReplicaView(n, _stats(), last_for_adapter=(i == 1)) for i, n in enumerate(names)]
+    assert placement.order(request, views)[0] == 1
+    # a request sent since the replica's last report counts as bringing the adapter there
+    views = [ReplicaView(names[0], _stats()), ReplicaView(names[1], _stats(), sent=[("hot", 16, 10)])]
+    assert placement.order(request, views)[0] == 1
+    # an unhealthy replica comes last whatever it holds
+    views = [ReplicaView(names[0], _stats(gpu=["hot"], healthy=False)), ReplicaView(names[1], _stats())]
+    assert placement.order(request, views) == [1, 0]
+
+
+def test_rank_of_and_routing_stats() -> None:
+    table = FlightTable()
+    table.flights["a"] = Flight("x", prompt_len=10, max_tokens=20, generated=5, started=True)
+    table.flights["b"] = Flight("y", prompt_len=7, max_tokens=3)
+    snap = {"resident_adapters": ["x"], "host_tier": {"resident": ["y"]}, "pool": {"free": 3, "total": 9},
+            "engines": [{"step_ms": 12.0, "tokens_per_s": 100.0}]}
+    stats = routing_stats(table, snap, {"x": 8, "y": 64}, healthy=True)
+    assert stats["running"] == [["x", 8, 15]] and stats["waiting"] == [["y", 64, 10]]
+    assert stats["gpu"] == ["x"] and stats["host"] == ["y"] and stats["step_ms"] == 12.0
+    assert rank_of("y", [{}, stats]) == 64 and rank_of(None, [stats]) == 0 and rank_of("z", [stats]) == 0
+
+
+def test_aggregate_adds_replicas_up() -> None:
+    rng = random.Random()
+    runs = [rng.randrange(0, 9) for _ in range(3)]
+    snaps = [{"running": r, "waiting": r + 1, "running_adapters": [f"a{r}"], "waiting_adapters": [],
+              "max_loras_per_batch": 8 + r, "pool": {"total": 10, "kv": r}} for r in runs]
+    total = aggregate(snaps)
+    assert total is not None
+    assert total["running"] == sum(runs) and total["waiting"] == sum(runs) + 3
+    assert total["running_adapters"] == sorted({f"a{r}" for r in runs})
+    assert total["max_loras_per_batch"] == 8 + min(runs) and total["pool"] == {"total": 30, "kv": sum(runs)}
+    assert aggregate([]) is None
+
+
+def test_wire_round_trips_and_validates() -> None:
+    from loraplex.cluster import wire
+    from loraplex.ipc.errors import ProtocolError
+
+    chunk = StreamChunk("r", [1, 2], "ab", 0, [-0.5, -0.25])
+    assert wire.to_chunk(wire.chunk_event(chunk)["chunk"]) == chunk
+    result = GenerateResult("r", "ab", [1, 2], "length", {"prompt_tokens": 1}, {"e2e_ms": 3.0})
+    assert wire.to_result(wire.result_event(result)["result"]) == result
+    error = wire.to_error(wire.error_event(LoraplexError(ErrorCode.UNKNOWN_ADAPTER, "no such", "r"))["error"])
+    assert error.code is ErrorCode.UNKNOWN_ADAPTER and error.message == "no such" and error.request_id == "r"
+    assert wire.to_error({"code": "bogus"}).code is ErrorCode.INTERNAL
+    with pytest.raises(ValueError, match="unknown generate options"):
+        wire.request("hi", None, {"bogus": 1})
+    with pytest.raises(ProtocolError):
+        wire.request("hi", None, {"temperature": -1.0})
+
+
+def test_cluster_config_parses_and_validates() -> None:
+    config = ClusterConfig.from_dict({"replicas": "3", "router": "multiplex", "stats_period_s": "0.25",
+                                      "daemon_args": "--num-pages 600"})
+    assert config.replicas == 3 and config.stats_period_s == 0.25 and config.daemon_args == ("--num-pages", "600")
+    assert ClusterConfig.from_dict(config.to_dict()) == config
+    for bad in ({"replicas": 0}, {"router": "nope"}, {"http_port": 70000}, {"bogus": 1}, {"replicas": "x"}):
+        with pytest.raises(ValueError):
+            ClusterConfig.from_dict(bad)
+    assert not ClusterConfig(router="default").multiplexed and ClusterConfig().multiplexed
+
+
+def test_the_cluster_package_never_imports_torch() -> None:
+    code = ("import sys, loraplex.cluster.app, loraplex.cluster.router, loraplex.cluster.cli; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
