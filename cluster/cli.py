@@ -30,6 +30,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                             "model multiplexing) or default (Serve's power of two choices)")
     serve.add_argument("--adapter-source", default=None, metavar="URI",
                        help="where adapters named cluster-wide are resolved: a directory or s3://bucket/prefix")
+    serve.add_argument("--source-check-s", type=float, default=0.0,
+                       help="seconds the ingress trusts an adapter's digest before reading its source again "
+                            "(default 0: every request, so a replaced adapter is never served stale)")
+    serve.add_argument("--disk-tier-gb", type=float, default=8.0,
+                       help="each replica's local disk tier of fetched adapters, LRU (default 8 GB)")
     serve.add_argument("--served-model-name", default=DEFAULT_SERVED_MODEL_NAME)
     serve.add_argument("--num-cpus", type=int, default=None,
                        help="logical CPUs of a local cluster (default: the replicas' reservations + 1)")
@@ -44,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
                                num_gpus_per_replica=args.num_gpus_per_replica,
                                num_cpus_per_replica=args.num_cpus_per_replica, router=args.router,
                                adapter_source=args.adapter_source, http_host=args.http_host,
-                               http_port=args.http_port, served_model_name=args.served_model_name)
+                               http_port=args.http_port, served_model_name=args.served_model_name,
+                               source_check_s=args.source_check_s, disk_tier_bytes=int(args.disk_tier_gb * (1 << 30)))
     except ValueError as exc:
         print(f"loraplex cluster serve: error: {exc}", file=sys.stderr)
         return 2

@@ -33,6 +33,9 @@ class ClusterConfig:
     http_host / http_port: the ingress's HTTP listener (Serve's proxy).
     served_model_name: the base model's id in the API.
     stats_period_s: how often each replica reports its routing stats.
+    source_check_s: how long the ingress trusts an adapter's digest before reading the source
+    again (0: on every request; a replaced adapter is then never served stale).
+    disk_tier_bytes: each replica's local disk tier of fetched adapters (LRU).
     """
 
     replicas: int = 1
@@ -46,6 +49,8 @@ class ClusterConfig:
     http_port: int = 8000
     served_model_name: str = DEFAULT_SERVED_MODEL_NAME
     stats_period_s: float = 0.5
+    source_check_s: float = 0.0
+    disk_tier_bytes: int = 8 << 30
     max_ongoing_requests: int = 256
     daemon_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -72,6 +77,14 @@ class ClusterConfig:
             raise ValueError(f"http_host must be a non-empty string, got {self.http_host!r}")
         if not isinstance(self.stats_period_s, (int, float)) or not 0.05 <= self.stats_period_s <= 60:
             raise ValueError(f"stats_period_s must be in [0.05, 60] seconds, got {self.stats_period_s!r}")
+        if not isinstance(self.source_check_s, (int, float)) or not 0 <= self.source_check_s <= 3600:
+            raise ValueError(f"source_check_s must be in [0, 3600] seconds, got {self.source_check_s!r}")
+        if isinstance(self.disk_tier_bytes, bool) or not isinstance(self.disk_tier_bytes, int) \
+                or self.disk_tier_bytes < (1 << 20):
+            raise ValueError(f"disk_tier_bytes must be an integer of at least 1 MiB, got {self.disk_tier_bytes!r}")
+        if isinstance(self.adapter_source, str) and "://" in self.adapter_source \
+                and not self.adapter_source.startswith("s3://"):
+            raise ValueError(f"adapter_source must be a directory or s3://bucket/prefix, got {self.adapter_source!r}")
         if isinstance(self.max_ongoing_requests, bool) or not isinstance(self.max_ongoing_requests, int) \
                 or not 1 <= self.max_ongoing_requests <= 65536:
             raise ValueError(f"max_ongoing_requests must be in [1, 65536], got {self.max_ongoing_requests!r}")

@@ -15,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from loraplex.cluster.config import ClusterConfig
-from loraplex.cluster.remote import ClusterClient
+from loraplex.cluster.remote import ClusterAdmin, ClusterClient
+from loraplex.cluster.resolver import AdapterResolver
 from loraplex.cluster.routes import add_routes
 from loraplex.gateway.app import build_app, listen
 from loraplex.gateway.config import GatewayConfig
@@ -29,9 +30,11 @@ _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "traile
 class Ingress:
     async def __init__(self, replicas: Any, board: Any, config: Mapping[str, Any]) -> None:
         cluster = ClusterConfig.from_dict(config)
-        gateway = GatewayConfig(host="127.0.0.1", port=0, served_model_name=cluster.served_model_name)
-        self.client = ClusterClient(replicas, board, multiplexed=cluster.multiplexed)
-        app = build_app(gateway, client=self.client)
+        gateway = GatewayConfig(host="127.0.0.1", port=0, served_model_name=cluster.served_model_name,
+                                enable_adapter_admin=True)
+        resolver = AdapterResolver(board, cluster.adapter_source, check_s=cluster.source_check_s)
+        self.client = ClusterClient(replicas, board, multiplexed=cluster.multiplexed, resolver=resolver)
+        app = build_app(gateway, client=self.client, admin=ClusterAdmin(resolver, self.client))  # type: ignore[arg-type]
         add_routes(app, self.client)
         self._runner, host, port = await listen(app, "127.0.0.1", 0)
         self._base = f"http://{host}:{port}"

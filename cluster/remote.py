@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from loraplex.cluster import wire
+from loraplex.cluster.resolver import AdapterResolver
 from loraplex.cluster.stats import aggregate
 from loraplex.ipc.client_types import AdapterInfo, GenerateResult, StreamChunk
 from loraplex.ipc.errors import ErrorCode, LoraplexError
@@ -45,8 +46,10 @@ async def _call(response: Any, timeout: float | None, what: str) -> Any:
 class ClusterStream:
     """As AsyncStream: async iterator of StreamChunk, `.result` once it ended, `aclose()`."""
 
-    def __init__(self, replicas: Any, payload: dict[str, Any], model_id: str, timeout: float | None) -> None:
+    def __init__(self, replicas: Any, payload: dict[str, Any], model_id: str, timeout: float | None,
+                 resolver: AdapterResolver | None = None) -> None:
         self._replicas = replicas
+        self._resolver = resolver
         self._payload = payload
         self._model_id = model_id
         self._deadline = None if timeout is None else time.monotonic() + timeout
@@ -71,6 +74,12 @@ class ClusterStream:
             if self._finished:
                 raise StopAsyncIteration
             if self._gen is None:
+                if self._resolver is not None and "source" not in self._payload:
+                    try:
+                        self._payload["source"] = await self._resolver.resolve(self._payload.get("adapter"))
+                    except LoraplexError:
+                        self._finished = True
+                        raise
                 self._gen = self._open()
             try:
                 event = await self._next_event()
@@ -115,9 +124,11 @@ class ClusterStream:
 class ClusterClient:
     """The AsyncClient calls the gateway makes, against the replicas deployment and the board."""
 
-    def __init__(self, replicas: Any, board: Any, *, multiplexed: bool, name: str = "ray-serve") -> None:
+    def __init__(self, replicas: Any, board: Any, *, multiplexed: bool, resolver: AdapterResolver | None = None,
+                 name: str = "ray-serve") -> None:
         self._replicas = replicas
         self._board = board
+        self.resolver = resolver
         self._multiplexed = multiplexed
         self.endpoint = name
 
@@ -125,11 +136,18 @@ class ClusterClient:
                **options: Any) -> ClusterStream:
         payload = wire.request(prompt, adapter, {**options, "timeout": timeout})
         model_id = adapter if (adapter and self._multiplexed) else ""
-        return ClusterStream(self._replicas, payload, model_id, timeout)
+        return ClusterStream(self._replicas, payload, model_id, timeout, self.resolver)
 
     async def adapters(self, *, timeout: float | None = 10.0) -> list[AdapterInfo]:
         entries = await _call(self._replicas.adapters.remote(), timeout, "listing adapters")
-        return [AdapterInfo.from_entry(e) for e in entries]
+        infos = {e["name"]: AdapterInfo.from_entry(e) for e in entries}
+        if self.resolver is not None:  # the cluster-wide ones, as registered at the ingress
+            for name, location in self.resolver.registered().items():
+                infos[name] = AdapterInfo(name=name, path=location, rank=infos[name].rank if name in infos else 0,
+                                          target_modules=(), state="registered")
+            for name in self.resolver.removed():
+                infos.pop(name, None)
+        return sorted(infos.values(), key=lambda a: a.name)
 
     async def ping(self, *, timeout: float | None = 10.0) -> float:
         return await _call(self._replicas.ping.remote(), timeout, "ping")
@@ -150,3 +168,27 @@ class ClusterClient:
 
     async def close(self) -> None:
         return None  # the handles belong to Serve
+
+
+class ClusterAdmin:
+    """The AsyncAdminClient calls the gateway's /v1/load_lora_adapter and /v1/unload_lora_adapter
+    make, applied to the whole cluster through the catalog (resolver.py)."""
+
+    def __init__(self, resolver: AdapterResolver, client: ClusterClient) -> None:
+        self._resolver = resolver
+        self._client = client
+
+    async def add_adapter(self, name: str, path: str, *, replace: bool = True,
+                          timeout: float | None = 120.0) -> dict[str, object]:
+        return await asyncio.wait_for(self._resolver.register(name, str(path)), timeout)
+
+    async def remove_adapter(self, name: str, *, timeout: float | None = 10.0) -> dict[str, object]:
+        async def remove() -> dict[str, object]:
+            if not await self._resolver.knows(name) and name not in {a.name for a in await self._client.adapters()}:
+                raise LoraplexError(ErrorCode.NOT_FOUND, f"adapter {name!r} is not registered in the cluster")
+            return await self._resolver.remove(name)
+
+        return await asyncio.wait_for(remove(), timeout)
+
+    async def close(self) -> None:
+        return None

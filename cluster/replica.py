@@ -17,8 +17,10 @@ from ray import serve
 from loraplex.cluster import wire
 from loraplex.cluster.config import ClusterConfig
 from loraplex.cluster.daemon_child import DaemonChild
+from loraplex.cluster.disk_tier import DiskTier
+from loraplex.cluster.replica_adapters import ReplicaAdapters
 from loraplex.cluster.stats import Flight, FlightTable, routing_stats
-from loraplex.ipc.client import AsyncClient, LoraplexError
+from loraplex.ipc.client import AsyncAdminClient, AsyncClient, LoraplexError
 from loraplex.ipc.client_types import new_request_id
 
 log = logging.getLogger("loraplex.cluster")
@@ -37,7 +39,11 @@ class LoraplexReplica:
                                    env=self.config.daemon_env)
         await self._daemon.start()
         self._client = AsyncClient(runtime_dir=self._daemon.runtime_dir)
+        self._admin = AsyncAdminClient(runtime_dir=self._daemon.runtime_dir)
         self._flights = FlightTable()
+        self._adapters = ReplicaAdapters(self._admin, DiskTier(self._daemon.root / "adapters",
+                                                               self.config.disk_tier_bytes),
+                                         busy=self._flights.adapters)
         self._ranks: dict[str, int] = {}
         self._snapshot: dict[str, Any] | None = None
         try:
@@ -62,6 +68,12 @@ class LoraplexReplica:
         options = dict(payload.get("options") or {})
         if self.config.router == "multiplex" and adapter:
             await self._multiplexed_adapter(serve.get_multiplexed_model_id() or adapter)
+        if adapter and payload.get("source"):
+            try:
+                await self._adapters.ensure(adapter, payload["source"])
+            except LoraplexError as exc:
+                yield wire.error_event(exc)
+                return
         request_id = options.pop("request_id", None) or new_request_id()
         flight = Flight(adapter, wire.prompt_len(payload), int(options.get("max_tokens") or DEFAULT_MAX_TOKENS))
         self._flights.flights[request_id] = flight
@@ -103,8 +115,14 @@ class LoraplexReplica:
         stats = routing_stats(self._flights, self._snapshot, self._ranks, healthy=self._daemon.alive)
         proc = self._daemon.proc
         stats["daemon_pid"] = proc.pid if proc is not None else None
-        if self._board is not None and self._snapshot is not None:
-            self._board.report.remote(self.replica_id, self._snapshot, stats)
+        if self._board is not None:
+            if self._snapshot is not None:
+                self._snapshot["disk_tier"] = self._adapters.tier.snapshot()
+                self._board.report.remote(self.replica_id, self._snapshot, stats)
+            try:
+                await self._adapters.sync(await self._board.catalog.remote(self._adapters.epoch))
+            except Exception as exc:  # the board is being replaced; the next period retries
+                log.warning("reading the adapter catalog failed: %s", exc)
         return stats
 
     async def check_health(self) -> None:
@@ -113,5 +131,6 @@ class LoraplexReplica:
 
     async def __del__(self) -> None:
         await self._client.close()
+        await self._admin.close()
         code = await self._daemon.stop()
         log.info("the replica's daemon stopped with %s", code)

@@ -65,15 +65,15 @@ def _alive(pid: int) -> bool:
 
 
 class Cluster:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "cluster.log"
         argv = [sys.executable, "-m", "loraplex.cli", "cluster", "serve", "--replicas", "2", "--http-port",
-                str(self.port), *(f"--daemon-arg={a}" for a in DAEMON_ARGS), "--log-level", "warning"]
+                str(self.port), *(f"--daemon-arg={a}" for a in DAEMON_ARGS), "--log-level", "warning", *args]
         with self.log_path.open("wb") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+                                         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})})
         self.pids: set[int] = set()
 
     def log(self) -> str:
@@ -119,9 +119,43 @@ class Cluster:
         return self.proc.returncode
 
 
+class S3:
+    """moto's standalone S3-compatible server on a loopback port, with one bucket."""
+
+    BUCKET = "loraplex-adapters"
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.port = _free_port()
+        self.env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}", "AWS_ACCESS_KEY_ID": "testing",
+                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+        import boto3
+
+        self.client = boto3.client("s3", endpoint_url=self.env["AWS_ENDPOINT_URL"], aws_access_key_id="testing",
+                                   aws_secret_access_key="testing", region_name="us-east-1")
+        self.client.create_bucket(Bucket=self.BUCKET)
+
+    def upload(self, name: str, adapter_dir: Path) -> None:
+        for f in ("adapter_config.json", "adapter_model.safetensors"):
+            self.client.upload_file(str(adapter_dir / f), self.BUCKET, f"adapters/{name}/{f}")
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("cluster"))
+def s3() -> Iterator[S3]:
+    pytest.importorskip("moto.server")
+    store = S3()
+    try:
+        yield store
+    finally:
+        store.server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, s3: S3) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("cluster"), "--adapter-source", f"s3://{S3.BUCKET}/adapters", env=s3.env)
     try:
         c.wait_ready()
         yield c
@@ -158,6 +192,42 @@ def test_greedy_outputs_equal_a_single_daemon(cluster: Cluster, client, tmp_path
     finally:
         assert daemon.stop() == 0
     assert len({texts[0] for texts in through.values()}) == len(through)  # the adapters really differ
+
+
+def _greedy(client, model: str) -> str:
+    return client.completions.create(model=model, prompt="KING:", max_tokens=10, temperature=0.0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+
+
+def _adapter_dirs(client) -> dict[str, Path]:
+    return {m.id: Path(m.root) for m in client.models.list().data if m.parent is not None}
+
+
+def test_an_s3_adapter_is_served_and_never_stale(cluster: Cluster, client, s3: S3) -> None:
+    dirs = _adapter_dirs(client)
+    s3.upload("from-s3", dirs["all-r32"])
+    first = [_greedy(client, "from-s3") for _ in range(2)]
+    assert first == [_greedy(client, "all-r32")] * 2
+    s3.upload("from-s3", dirs["mlp-r64"])  # replaced in the store: the very next request sees it
+    assert _greedy(client, "mlp-r64") != first[0]
+    assert [_greedy(client, "from-s3") for _ in range(3)] == [_greedy(client, "mlp-r64")] * 3
+    with pytest.raises(openai.NotFoundError):
+        _greedy(client, "not-in-s3")
+
+
+def test_register_and_remove_at_the_ingress_apply_to_the_cluster(cluster: Cluster, client) -> None:
+    dirs = _adapter_dirs(client)
+    loaded = client.post("/load_lora_adapter", cast_to=str,
+                         body={"lora_name": "registered", "lora_path": str(dirs["qv-r8"])})
+    assert "registered" in loaded
+    assert "registered" in {m.id for m in client.models.list().data}
+    assert _greedy(client, "registered") == _greedy(client, "qv-r8")
+    client.post("/unload_lora_adapter", cast_to=str, body={"lora_name": "registered"})
+    with pytest.raises(openai.NotFoundError):
+        _greedy(client, "registered")
+    assert "registered" not in {m.id for m in client.models.list().data}
+    with pytest.raises(openai.NotFoundError):
+        client.post("/unload_lora_adapter", cast_to=str, body={"lora_name": "registered"})
 
 
 def test_metrics_for_kubernetes_routers(cluster: Cluster) -> None:
