@@ -138,3 +138,16 @@ def _parse(name: str, value: str, kind: type) -> Any:
         return kind(value)
     except ValueError:
         raise ValueError(f"{name} must be a {kind.__name__}, got {value!r}") from None
+
+
+def serve_config(config: ClusterConfig, *, http_host: str = "0.0.0.0") -> dict[str, Any]:
+    """A Ray Serve config file (`serve deploy FILE`, a KubeRay RayService's serveConfigV2) that
+    deploys `config` with the application builder; JSON, which Serve's YAML reader takes as is.
+    Only the settings that differ from the defaults are written as args."""
+    defaults = ClusterConfig().to_dict()
+    args = {k: v for k, v in config.to_dict().items()
+            if v != defaults[k] and k not in ("http_host", "http_port")}
+    args["replicas"] = config.replicas
+    return {"http_options": {"host": http_host, "port": config.http_port},
+            "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "loraplex.cluster.app:build_app",
+                              "args": args}]}
