@@ -32,7 +32,9 @@ def application(config: ClusterConfig) -> serve.Application:
                              ray_actor_options={"num_cpus": 0}, logging_config=QUIET).bind()
     router = RequestRouterConfig(request_routing_stats_period_s=config.stats_period_s,
                                  request_routing_stats_timeout_s=max(1.0, 4 * config.stats_period_s),
-                                 **({"request_router_class": ROUTER_CLASS} if config.router == "loraplex" else {}))
+                                 **({"request_router_class": ROUTER_CLASS,
+                                     "request_router_kwargs": dict(config.router_options)}
+                                    if config.router == "loraplex" else {}))
     replicas = serve.deployment(
         LoraplexReplica, name="LoraplexReplica", num_replicas=config.replicas,
         max_ongoing_requests=config.max_ongoing_requests, health_check_period_s=HEALTH_CHECK_PERIOD_S,

@@ -28,6 +28,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--router", default="loraplex", choices=("loraplex", "multiplex", "default"),
                        help="request router: loraplex (rank-aware + adapter affinity), multiplex (Serve's "
                             "model multiplexing) or default (Serve's power of two choices)")
+    serve.add_argument("--router-slo-ms", type=float, default=None,
+                       help="the loraplex router's TPT SLO per step, ms (default 36)")
     serve.add_argument("--adapter-source", default=None, metavar="URI",
                        help="where adapters named cluster-wide are resolved: a directory or s3://bucket/prefix")
     serve.add_argument("--source-check-s", type=float, default=0.0,
@@ -50,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
                                num_cpus_per_replica=args.num_cpus_per_replica, router=args.router,
                                adapter_source=args.adapter_source, http_host=args.http_host,
                                http_port=args.http_port, served_model_name=args.served_model_name,
-                               source_check_s=args.source_check_s, disk_tier_bytes=int(args.disk_tier_gb * (1 << 30)))
+                               source_check_s=args.source_check_s, disk_tier_bytes=int(args.disk_tier_gb * (1 << 30)),
+                               router_options={} if args.router_slo_ms is None else {"slo_ms": args.router_slo_ms})
     except ValueError as exc:
         print(f"loraplex cluster serve: error: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from loraplex.gateway.config import DEFAULT_SERVED_MODEL_NAME
 # router on plain requests (power of two choices on queue length).
 ROUTERS = ("loraplex", "multiplex", "default")
 APP_NAME = "loraplex"
+ROUTER_OPTIONS = frozenset({"kernel", "slo_ms", "miss_ms", "host_miss_ms", "spread_queue", "profile"})
 MAX_REPLICAS = 1024
 
 
@@ -32,6 +33,8 @@ class ClusterConfig:
     None: only the daemons' own adapters).
     http_host / http_port: the ingress's HTTP listener (Serve's proxy).
     served_model_name: the base model's id in the API.
+    router_options: the loraplex router's request_router_kwargs (router.py: kernel, slo_ms,
+    miss_ms, host_miss_ms, spread_queue, profile).
     stats_period_s: how often each replica reports its routing stats.
     source_check_s: how long the ingress trusts an adapter's digest before reading the source
     again (0: on every request; a replaced adapter is then never served stale).
@@ -53,6 +56,7 @@ class ClusterConfig:
     disk_tier_bytes: int = 8 << 30
     max_ongoing_requests: int = 256
     daemon_env: Mapping[str, str] = field(default_factory=dict)
+    router_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) \
@@ -67,6 +71,9 @@ class ClusterConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or not 0 <= value <= 64:
                 raise ValueError(f"{name} must be a number in [0, 64], got {value!r}")
+        unknown = sorted(set(self.router_options) - ROUTER_OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown router options {unknown}; known: {sorted(ROUTER_OPTIONS)}")
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
         if self.adapter_source is not None and (not isinstance(self.adapter_source, str) or not self.adapter_source):

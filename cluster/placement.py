@@ -1,7 +1,10 @@
 """Where a request should go among replicas, from their routing stats (stats.routing_stats):
 the daemon's rank-aware policy (loraplex.daemon.router.RankAwareRouter) on an EngineState built
 per replica, plus the cost of bringing the request's adapter there, with ties to the replica the
-adapter was last sent to. Pure: no Ray here, the request router (router.py) feeds it.
+adapter was last sent to. Cross-replica balancing as dLoRA's proactive dispatch: once some
+replica has `spread_queue` or more of the adapter's requests queued while another replica is
+idle, affinity is off for that adapter and the policy alone places it, so a hot adapter spreads.
+Pure: no Ray here, the request router (router.py) feeds it.
 """
 from __future__ import annotations
 
@@ -52,22 +55,33 @@ class Placement:
     policy: RankAwareRouter = field(default_factory=RankAwareRouter)
     miss_ms: float = 20.0
     host_miss_ms: float = 5.0
+    spread_queue: int = 4
 
     def __post_init__(self) -> None:
-        if not (self.miss_ms >= 0 and self.host_miss_ms >= 0):
-            raise ValueError("miss_ms and host_miss_ms must be >= 0")
+        if not (self.miss_ms >= 0 and self.host_miss_ms >= 0 and self.spread_queue >= 1):
+            raise ValueError("miss_ms and host_miss_ms must be >= 0, spread_queue >= 1")
 
     def order(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[int]:
         """Indices into `replicas`, best first."""
         engines = [r.engine(i) for i, r in enumerate(replicas)]
+        affinity = not self.spreading(request.adapter, engines)
 
         def key(i: int) -> tuple[float, int, float, int, str]:
             replica, engine = replicas[i], engines[i]
             cost = self.policy.cost(request, engine) if engine.healthy else float("inf")
-            return (cost + self.adapter_ms(request.adapter, replica), 0 if replica.last_for_adapter else 1,
+            if affinity:
+                cost += self.adapter_ms(request.adapter, replica)
+            return (cost, 0 if affinity and replica.last_for_adapter else 1,
                     self.policy.predicted_ms(request, engine), engine.num_requests, replica.key)
 
         return sorted(range(len(replicas)), key=key)
+
+    def spreading(self, adapter: str | None, engines: Sequence[EngineState]) -> bool:
+        """Whether `adapter` is queued deep on one replica while another is idle."""
+        if not adapter:
+            return False
+        deepest = max((sum(r.adapter == adapter for r in e.waiting) for e in engines), default=0)
+        return deepest >= self.spread_queue and any(e.healthy and e.num_requests == 0 for e in engines)
 
     def adapter_ms(self, adapter: str | None, replica: ReplicaView) -> float:
         tier = replica.adapter_tier(adapter)

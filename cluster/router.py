@@ -3,8 +3,8 @@
 ranks first, the daemon's rank-aware policy plus adapter affinity, from each replica's routing
 stats and the requests this router sent it since its latest report. Torch-free.
 
-request_router_kwargs: kernel (mbgmv|bgmv), slo_ms, miss_ms, host_miss_ms, profile (a
-PerfProfile dict: {"mbgmv": {"alpha": .., "beta": ..}}).
+request_router_kwargs: kernel (mbgmv|bgmv), slo_ms, miss_ms, host_miss_ms, spread_queue,
+profile (a PerfProfile dict: {"mbgmv": {"alpha": .., "beta": ..}}).
 """
 from __future__ import annotations
 
@@ -23,10 +23,11 @@ MAX_SENT_PER_REPLICA = 4096
 
 class LoraplexRequestRouter(RequestRouter):
     def initialize_state(self, kernel: str = "mbgmv", slo_ms: float = 36.0, miss_ms: float = 20.0,
-                         host_miss_ms: float = 5.0, profile: Mapping[str, Any] | None = None, **_: Any) -> None:
+                         host_miss_ms: float = 5.0, spread_queue: int = 4, profile: Mapping[str, Any] | None = None,
+                         **_: Any) -> None:
         policy = RankAwareRouter(PerfProfile.from_dict(profile) if profile else None, kernel=kernel,  # type: ignore[arg-type]
                                  slo_ms=slo_ms)
-        self._placement = Placement(policy, miss_ms=miss_ms, host_miss_ms=host_miss_ms)
+        self._placement = Placement(policy, miss_ms=miss_ms, host_miss_ms=host_miss_ms, spread_queue=spread_queue)
         self._sent: dict[ReplicaID, list[tuple[float, Sent]]] = {}  # (sent at, what) per replica
         self._last: dict[str, ReplicaID] = {}  # the replica each adapter was last routed to
 

@@ -57,6 +57,22 @@ def test_adapter_affinity_by_tier_then_last_replica() -> None:
     assert placement.order(request, views) == [1, 0]
 
 
+def test_a_hot_adapter_spreads_once_queued_deep_while_a_replica_idles() -> None:
+    """dLoRA's proactive dispatch across replicas: affinity holds until the holder has
+    spread_queue of the adapter's requests waiting and another replica has nothing."""
+    placement = Placement(miss_ms=20.0, spread_queue=3)
+    request = RequestInfo("x", "hot", rank=16, prompt_len=8, max_tokens=8)
+    holder = _stats(gpu=["hot"])
+    holder["waiting"] = [["hot", 16, 16]] * 2
+    assert placement.order(request, [ReplicaView("a", holder, last_for_adapter=True), ReplicaView("b", _stats())])[0] == 0
+    holder["waiting"] = [["hot", 16, 16]] * 3
+    assert placement.order(request, [ReplicaView("a", holder, last_for_adapter=True), ReplicaView("b", _stats())])[0] == 1
+    busy = _stats(running=[("other", 8, 4)])  # no replica idle: affinity stays
+    assert placement.order(request, [ReplicaView("a", holder, last_for_adapter=True), ReplicaView("b", busy)])[0] == 0
+    with pytest.raises(ValueError):
+        Placement(spread_queue=0)
+
+
 def test_rank_of_and_routing_stats() -> None:
     table = FlightTable()
     table.flights["a"] = Flight("x", prompt_len=10, max_tokens=20, generated=5, started=True)
@@ -104,7 +120,8 @@ def test_cluster_config_parses_and_validates() -> None:
                                       "daemon_args": "--num-pages 600"})
     assert config.replicas == 3 and config.stats_period_s == 0.25 and config.daemon_args == ("--num-pages", "600")
     assert ClusterConfig.from_dict(config.to_dict()) == config
-    for bad in ({"replicas": 0}, {"router": "nope"}, {"http_port": 70000}, {"bogus": 1}, {"replicas": "x"}):
+    for bad in ({"replicas": 0}, {"router": "nope"}, {"http_port": 70000}, {"bogus": 1}, {"replicas": "x"},
+                {"router_options": {"nope": 1}}, {"adapter_source": "gs://x/y"}):
         with pytest.raises(ValueError):
             ClusterConfig.from_dict(bad)
     assert not ClusterConfig(router="default").multiplexed and ClusterConfig().multiplexed
