@@ -303,15 +303,40 @@ def test_a_killed_replica_daemon_loses_no_request_silently(cluster: Cluster, cli
         later = [pool.submit(_stream_outcome, cluster, m, 8) for m in (adapter, BASE, "all-r32")]
         outcomes = [f.result(timeout=90) for f in streams + later]
     assert "silent" not in outcomes, outcomes
-    # Serve replaces the replica whose daemon died; the cluster then serves everything again.
+    _wait_replaced(cluster, pid)  # Serve replaces the replica whose daemon died
+    assert [_stream_outcome(cluster, m, 6) for m in (adapter, BASE)] == ["done", "done"]
+
+
+def _wait_replaced(cluster: Cluster, gone_pid: int) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         rows = cluster.replicas()
-        if len(rows) == 2 and all(r["daemon_pid"] != pid for r in rows):
-            break
-        time.sleep(0.5)
-    else:
-        raise AssertionError(f"the replica was not replaced: {cluster.replicas()}\n{cluster.log()}")
+        if len(rows) == 2 and all(r["daemon_pid"] != gone_pid for r in rows):
+            return
+        time.sleep(0.5)  # Serve's health check and the new replica's daemon start; no event to await
+    raise AssertionError(f"the replica was not replaced: {cluster.replicas()}\n{cluster.log()}")
+
+
+def test_a_killed_replica_process_takes_its_daemon_and_no_request_silently(cluster: Cluster, client) -> None:
+    adapter = "rslora-r16"
+    before = _served(cluster, adapter)
+    client.completions.create(model=adapter, prompt="x", max_tokens=2, temperature=0.0)
+    after = _wait_served(cluster, adapter, sum(before.values()) + 1)
+    holder = next(r for r in after if after[r] > before.get(r, 0))
+    daemon_pid = next(r["daemon_pid"] for r in cluster.replicas() if r["replica"] == holder)
+    replica_pid = int(Path(f"/proc/{daemon_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(_stream_outcome, cluster, adapter, 400) for _ in range(2)]
+        time.sleep(1.0)  # let the streams begin on the holder before its process dies
+        os.kill(replica_pid, signal.SIGKILL)
+        later = [pool.submit(_stream_outcome, cluster, m, 8) for m in (adapter, BASE)]
+        outcomes = [f.result(timeout=90) for f in streams + later]
+    assert "silent" not in outcomes, outcomes
+    deadline = time.monotonic() + 15
+    while _alive(daemon_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(daemon_pid), "the dead replica's daemon was left running"
+    _wait_replaced(cluster, daemon_pid)
     assert [_stream_outcome(cluster, m, 6) for m in (adapter, BASE)] == ["done", "done"]
 
 
