@@ -59,13 +59,15 @@ def _get(url: str, timeout: float = 10.0) -> bytes:
 
 
 class ClusterProcess:
-    def __init__(self, home: Path, router: str, replicas: int, source: Path, daemon_args: list[str]) -> None:
+    def __init__(self, home: Path, router: str, replicas: int, source: Path, daemon_args: list[str],
+                 router_slo_ms: float | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = home / "cluster.log"
         argv = [sys.executable, "-m", "loraplex.cli", "cluster", "serve", "--replicas", str(replicas),
                 "--http-port", str(self.port), "--router", router, "--adapter-source", str(source),
-                "--log-level", "warning", *(f"--daemon-arg={a}" for a in daemon_args)]
+                "--log-level", "warning", *(f"--daemon-arg={a}" for a in daemon_args),
+                *(["--router-slo-ms", str(router_slo_ms)] if router_slo_ms and router == "loraplex" else [])]
         with self.log_path.open("wb") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
@@ -206,7 +208,7 @@ def run(args: argparse.Namespace) -> dict:
             home = root / router
             home.mkdir()
             _log(f"{router}: starting {args.replicas} replicas")
-            cluster = ClusterProcess(home, router, args.replicas, root / "adapters", daemon_args)
+            cluster = ClusterProcess(home, router, args.replicas, root / "adapters", daemon_args, args.router_slo_ms)
             try:
                 cluster.wait_ready()
                 started = time.monotonic()
@@ -225,7 +227,8 @@ def run(args: argparse.Namespace) -> dict:
                    "zipf_exponent": args.zipf, "rate_rps": args.rate, "duration_s": args.duration,
                    "requests": len(events), "num_pages_per_replica": num_pages, "pool_fraction": args.pool_fraction,
                    "throttle_bytes_s": args.throttle_bytes_s, "prompt_mean": args.prompt_mean,
-                   "output_mean": args.output_mean, "routers": args.routers, "seed": args.seed},
+                   "output_mean": args.output_mean, "routers": args.routers, "seed": args.seed,
+                   "router_slo_ms": args.router_slo_ms},
         "results": results,
         "cluster_exit": exits,
         "environment": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
@@ -250,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt", type=int, default=128)
     parser.add_argument("--max-output", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--router-slo-ms", type=float, default=None,
+                        help="the loraplex router's TPT SLO (default: its own, 36 ms, a GPU step's scale)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = parser.parse_args(argv)
     args.routers = [r for r in args.routers.split(",") if r]

@@ -37,6 +37,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                             "(default 0: every request, so a replaced adapter is never served stale)")
     serve.add_argument("--disk-tier-gb", type=float, default=8.0,
                        help="each replica's local disk tier of fetched adapters, LRU (default 8 GB)")
+    serve.add_argument("--enable-adapter-admin", action="store_true",
+                       help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter at the ingress, for the whole "
+                            "cluster (off by default)")
     serve.add_argument("--served-model-name", default=DEFAULT_SERVED_MODEL_NAME)
     serve.add_argument("--num-cpus", type=int, default=None,
                        help="logical CPUs of a local cluster (default: the replicas' reservations + 1)")
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
                                num_cpus_per_replica=args.num_cpus_per_replica, router=args.router,
                                adapter_source=args.adapter_source, http_host=args.http_host,
                                http_port=args.http_port, served_model_name=args.served_model_name,
-                               source_check_s=args.source_check_s, disk_tier_bytes=int(args.disk_tier_gb * (1 << 30)),
+                               source_check_s=args.source_check_s, enable_adapter_admin=args.enable_adapter_admin, disk_tier_bytes=int(args.disk_tier_gb * (1 << 30)),
                                router_options={} if args.router_slo_ms is None else {"slo_ms": args.router_slo_ms})
     except ValueError as exc:
         print(f"loraplex cluster serve: error: {exc}", file=sys.stderr)

@@ -33,6 +33,8 @@ class ClusterConfig:
     None: only the daemons' own adapters).
     http_host / http_port: the ingress's HTTP listener (Serve's proxy).
     served_model_name: the base model's id in the API.
+    enable_adapter_admin: serve /v1/load_lora_adapter and /v1/unload_lora_adapter at the ingress
+    (off by default, as in the gateway: they register adapters for the whole cluster).
     router_options: the loraplex router's request_router_kwargs (router.py: kernel, slo_ms,
     miss_ms, host_miss_ms, spread_queue, profile).
     stats_period_s: how often each replica reports its routing stats.
@@ -51,6 +53,7 @@ class ClusterConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     served_model_name: str = DEFAULT_SERVED_MODEL_NAME
+    enable_adapter_admin: bool = False
     stats_period_s: float = 0.5
     source_check_s: float = 0.0
     disk_tier_bytes: int = 8 << 30

@@ -28,11 +28,15 @@ STOP_TIMEOUT_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
+try:  # resolved here, not in the child: between fork and exec only the call itself runs
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: the replica's __del__ still stops the daemon
+    _prctl = None
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: the replica's __del__ still stops the daemon
-        pass
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class DaemonChild:

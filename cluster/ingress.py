@@ -31,7 +31,7 @@ class Ingress:
     async def __init__(self, replicas: Any, board: Any, config: Mapping[str, Any]) -> None:
         cluster = ClusterConfig.from_dict(config)
         gateway = GatewayConfig(host="127.0.0.1", port=0, served_model_name=cluster.served_model_name,
-                                enable_adapter_admin=True)
+                                enable_adapter_admin=cluster.enable_adapter_admin)
         resolver = AdapterResolver(board, cluster.adapter_source, check_s=cluster.source_check_s)
         self.client = ClusterClient(replicas, board, multiplexed=cluster.multiplexed, resolver=resolver)
         app = build_app(gateway, client=self.client, admin=ClusterAdmin(resolver, self.client))  # type: ignore[arg-type]
@@ -55,7 +55,10 @@ class Ingress:
                 async for data in upstream.content.iter_any():
                     yield data
             finally:
-                upstream.release()  # on a client disconnect too: the gateway then cancels the generation
+                if upstream.content.at_eof():
+                    upstream.release()
+                else:  # the client went away mid-body: closing the hop makes the gateway cancel the generation
+                    upstream.close()
 
         return StreamingResponse(body(), status_code=upstream.status, headers=out_headers,
                                  media_type=upstream.headers.get("Content-Type"))

@@ -83,6 +83,8 @@ class ClusterStream:
                 self._gen = self._open()
             try:
                 event = await self._next_event()
+                if "error" in event:
+                    raise wire.to_error(event["error"] or {})
             except LoraplexError as exc:
                 if self._chunks == 0 and exc.code in _RETRYABLE and self._retries < RETRIES_BEFORE_FIRST_CHUNK:
                     log.warning("a replica failed before the first token (%s); sending the request again", exc)
@@ -95,10 +97,10 @@ class ClusterStream:
                 self._chunks += 1
                 return wire.to_chunk(event["chunk"])
             self._finished = True
-            if "result" in event:
-                self.result = wire.to_result(event["result"])
-                raise StopAsyncIteration
-            raise wire.to_error(event.get("error") or {})
+            if "result" not in event:
+                raise LoraplexError(ErrorCode.INTERNAL, f"a replica sent an unknown event: {sorted(event)}")
+            self.result = wire.to_result(event["result"])
+            raise StopAsyncIteration
 
     async def _next_event(self) -> dict[str, Any]:
         remaining = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())

@@ -158,7 +158,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, s3: S3) -> Iterator[Cluste
     # A TPT SLO no CPU step misses: placement here is adapter affinity alone, whatever the host's
     # load does to step times (the SLO term is covered by tests/test_cluster_units.py).
     c = Cluster(tmp_path_factory.mktemp("cluster"), "--adapter-source", f"s3://{S3.BUCKET}/adapters",
-                "--router-slo-ms", "100000", env=s3.env)
+                "--router-slo-ms", "100000", "--enable-adapter-admin", env=s3.env)
     try:
         c.wait_ready()
         yield c

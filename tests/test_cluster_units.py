@@ -132,3 +132,83 @@ def test_the_cluster_package_never_imports_torch() -> None:
     code = ("import sys, loraplex.cluster.app, loraplex.cluster.router, loraplex.cluster.cli; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+class _FakeGen:
+    def __init__(self, events: list) -> None:
+        self._events = list(events)
+        self.cancelled = False
+
+    async def __anext__(self):
+        if not self._events:
+            raise StopAsyncIteration
+        item = self._events.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _FakeReplicas:
+    """A deployment handle whose successive generate calls replay the scripted event lists."""
+
+    def __init__(self, *scripts: list) -> None:
+        self._scripts = list(scripts)
+        self.gens: list[_FakeGen] = []
+        self.options_seen: list[dict] = []
+
+    def options(self, **kw):
+        self.options_seen.append(kw)
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, payload):
+        self.gens.append(_FakeGen(self._scripts.pop(0)))
+        return self.gens[-1]
+
+
+def _collect(stream) -> tuple[list[str], object]:
+    import asyncio
+
+    async def run():
+        texts = []
+        async for chunk in stream:
+            texts.append(chunk.text)
+        return texts
+
+    return asyncio.run(run()), stream.result
+
+
+def test_a_stream_is_sent_again_only_before_its_first_token() -> None:
+    from loraplex.cluster import wire
+    from loraplex.cluster.remote import ClusterStream
+
+    chunk = wire.chunk_event(StreamChunk("r", [7], "a", 0))
+    done = wire.result_event(GenerateResult("r", "a", [7], "length", {}, {}))
+    lost = wire.error_event(LoraplexError(ErrorCode.UNAVAILABLE, "daemon gone"))
+    # the first replica's daemon is gone before any token: the request goes out again and succeeds once
+    replicas = _FakeReplicas([lost], [RuntimeError("actor died")], [chunk, done])
+    texts, result = _collect(ClusterStream(replicas, wire.request("p", "ad", {}), "ad", None))
+    assert texts == ["a"] and result is not None and len(replicas.gens) == 3
+    assert replicas.options_seen[0] == {"stream": True, "multiplexed_model_id": "ad"}
+    # after a token reached the client, a failure is an error, never a silent resend
+    replicas = _FakeReplicas([chunk, RuntimeError("actor died")], [chunk, done])
+    with pytest.raises(LoraplexError) as caught:
+        _collect(ClusterStream(replicas, wire.request("p", None, {}), "", None))
+    assert caught.value.code is ErrorCode.UNAVAILABLE and "after 1 chunks" in caught.value.message
+    assert len(replicas.gens) == 1
+    # a refusal that another replica would repeat is not retried
+    refused = wire.error_event(LoraplexError(ErrorCode.UNKNOWN_ADAPTER, "no such adapter"))
+    replicas = _FakeReplicas([refused], [chunk, done])
+    with pytest.raises(LoraplexError) as caught:
+        _collect(ClusterStream(replicas, wire.request("p", "x", {}), "x", None))
+    assert caught.value.code is ErrorCode.UNKNOWN_ADAPTER and len(replicas.gens) == 1
+    # a stream that ends without its result is an error too
+    replicas = _FakeReplicas([chunk])
+    with pytest.raises(LoraplexError, match="without a result"):
+        _collect(ClusterStream(replicas, wire.request("p", None, {}), "", None))
