@@ -1,7 +1,8 @@
 """Where a request should go among replicas, from their routing stats (stats.routing_stats):
 the daemon's rank-aware policy (loraplex.daemon.router.RankAwareRouter) on an EngineState built
 per replica, plus the cost of bringing the request's adapter there, with ties to the replica the
-adapter was last sent to. Cross-replica balancing as dLoRA's proactive dispatch: once some
+adapter was last sent to, and an adapter new to the cluster goes to the replica that is home to
+the fewest adapters (as Serve's multiplexing does), so the working set spreads evenly. Cross-replica balancing as dLoRA's proactive dispatch: once some
 replica has `spread_queue` or more of the adapter's requests queued while another replica is
 idle, affinity is off for that adapter and the policy alone places it, so a hot adapter spreads.
 Pure: no Ray here, the request router (router.py) feeds it.
@@ -26,6 +27,7 @@ class ReplicaView:
     stats: Mapping[str, Any]
     sent: Sequence[Sent] = ()
     last_for_adapter: bool = False  # the request's adapter was last sent here
+    assigned: int = 0  # adapters whose requests were last sent here (their home)
 
     def engine(self, index: int) -> EngineState:
         def rows(key: str) -> tuple[EngineRequest, ...]:
@@ -66,12 +68,12 @@ class Placement:
         engines = [r.engine(i) for i, r in enumerate(replicas)]
         affinity = not self.spreading(request.adapter, engines)
 
-        def key(i: int) -> tuple[float, int, float, int, str]:
+        def key(i: int) -> tuple[float, int, int, float, int, str]:
             replica, engine = replicas[i], engines[i]
             cost = self.policy.cost(request, engine) if engine.healthy else float("inf")
             if affinity:
                 cost += self.adapter_ms(request.adapter, replica)
-            return (cost, 0 if affinity and replica.last_for_adapter else 1,
+            return (cost, 0 if affinity and replica.last_for_adapter else 1, replica.assigned if affinity else 0,
                     self.policy.predicted_ms(request, engine), engine.num_requests, replica.key)
 
         return sorted(range(len(replicas)), key=key)

@@ -9,6 +9,7 @@ profile (a PerfProfile dict: {"mbgmv": {"alpha": .., "beta": ..}}).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +20,7 @@ from loraplex.cluster.placement import Placement, ReplicaView, Sent, rank_of
 from loraplex.daemon.router import PerfProfile, RankAwareRouter, RequestInfo
 
 MAX_SENT_PER_REPLICA = 4096
+MAX_ADAPTERS_TRACKED = 100_000
 
 
 class LoraplexRequestRouter(RequestRouter):
@@ -29,7 +31,7 @@ class LoraplexRequestRouter(RequestRouter):
                                  slo_ms=slo_ms)
         self._placement = Placement(policy, miss_ms=miss_ms, host_miss_ms=host_miss_ms, spread_queue=spread_queue)
         self._sent: dict[ReplicaID, list[tuple[float, Sent]]] = {}  # (sent at, what) per replica
-        self._last: dict[str, ReplicaID] = {}  # the replica each adapter was last routed to
+        self._last: dict[str, ReplicaID] = {}  # the replica each adapter was last routed to (its home)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -42,8 +44,9 @@ class LoraplexRequestRouter(RequestRouter):
                               rank=self._rank_of(adapter), prompt_len=wire.prompt_len(payload or {}),
                               max_tokens=int(options.get("max_tokens") or 0))
         last = self._last.get(adapter) if adapter else None
+        homes = Counter(self._last.values())
         views = [ReplicaView(r.replica_id.unique_id, r.routing_stats or {}, self._pending(r),
-                             r.replica_id == last) for r in candidate_replicas]
+                             r.replica_id == last, homes[r.replica_id]) for r in candidate_replicas]
         return [[candidate_replicas[i]] for i in self._placement.order(request, views)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
@@ -56,7 +59,10 @@ class LoraplexRequestRouter(RequestRouter):
         sent.append((time.time(), (adapter, self._rank_of(adapter), work)))
         del sent[:-MAX_SENT_PER_REPLICA]
         if adapter:
+            self._last.pop(adapter, None)  # re-inserted: the dict stays in order of last use
             self._last[adapter] = replica_id
+            if len(self._last) > MAX_ADAPTERS_TRACKED:
+                del self._last[next(iter(self._last))]
 
     def _pending(self, replica: RunningReplica) -> list[Sent]:
         """What was sent to `replica` after its latest report (older sends are in the report)."""

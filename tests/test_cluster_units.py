@@ -52,6 +52,10 @@ def test_adapter_affinity_by_tier_then_last_replica() -> None:
     # a request sent since the replica's last report counts as bringing the adapter there
     views = [ReplicaView(names[0], _stats()), ReplicaView(names[1], _stats(), sent=[("hot", 16, 10)])]
     assert placement.order(request, views)[0] == 1
+    # an adapter new to the cluster goes to the replica that is home to the fewest adapters
+    views = [ReplicaView(names[0], _stats(), assigned=5), ReplicaView(names[1], _stats(), assigned=2),
+             ReplicaView(names[2], _stats(), assigned=3)]
+    assert placement.order(request, views)[0] == 1
     # an unhealthy replica comes last whatever it holds
     views = [ReplicaView(names[0], _stats(gpu=["hot"], healthy=False)), ReplicaView(names[1], _stats())]
     assert placement.order(request, views) == [1, 0]
