@@ -3,7 +3,8 @@ state directories (short paths under the temp dir, for the Unix socket length li
 and awaited until it answers a ping, stopped with SIGTERM (it drains) and reaped.
 
 The child gets SIGTERM when the replica's process dies (PR_SET_PDEATHSIG on Linux), so a
-replica that Ray kills leaves no daemon behind.
+replica that Ray kills leaves no daemon behind; the directories such a replica leaves are
+removed by the next replica started on the host (each names its owner's pid).
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from pathlib import Path
 from loraplex.ipc.client import AsyncClient, LoraplexError
 
 log = logging.getLogger("loraplex.cluster")
+PREFIX = "lpx-cl-"
+OWNER_FILE = "owner.pid"
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 _PR_SET_PDEATHSIG = 1
@@ -39,9 +42,26 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def sweep_orphans(tmp: Path) -> list[Path]:
+    """Remove the directories of replicas whose process is gone (killed before it could clean up)."""
+    removed = []
+    for root in tmp.glob(f"{PREFIX}*"):
+        try:
+            owner = int((root / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or still being created
+        if owner != os.getpid() and not Path(f"/proc/{owner}").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            removed.append(root)
+    return removed
+
+
 class DaemonChild:
     def __init__(self, *, config: Path | None, args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="lpx-cl-"))
+        if Path("/proc/self").exists():
+            sweep_orphans(Path(tempfile.gettempdir()))
+        self.root = Path(tempfile.mkdtemp(prefix=PREFIX))
+        (self.root / OWNER_FILE).write_text(str(os.getpid()))
         self.runtime_dir = self.root / "rt"
         self.log_path = self.root / "daemon.log"
         self._argv = [sys.executable, "-m", "loraplex.cli", "serve", *(["--config", str(config)] if config else []),

@@ -139,3 +139,19 @@ def test_catalog_and_locations() -> None:
     assert cat.view()["removed"] == ["a"] and cat.view()["entries"] == {} and cat.epoch == 2
     cat.register("a", "/r", "a2")
     assert cat.view()["removed"] == [] and cat.view()["entries"] == {"a": ["/r", "a2"]}
+
+
+def test_orphaned_replica_directories_are_swept(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from loraplex.cluster.daemon_child import OWNER_FILE, PREFIX, sweep_orphans
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan, live, foreign = tmp_path / f"{PREFIX}a", tmp_path / f"{PREFIX}b", tmp_path / f"{PREFIX}c"
+    for d in (orphan, live, foreign):
+        d.mkdir()
+    (orphan / OWNER_FILE).write_text(dead.stdout.strip())
+    (live / OWNER_FILE).write_text(str(os.getppid()))
+    assert sweep_orphans(tmp_path) == [orphan]
+    assert not orphan.exists() and live.exists() and foreign.exists()
