@@ -216,3 +216,44 @@ def test_a_stream_is_sent_again_only_before_its_first_token() -> None:
     replicas = _FakeReplicas([chunk])
     with pytest.raises(LoraplexError, match="without a result"):
         _collect(ClusterStream(replicas, wire.request("p", None, {}), "", None))
+
+
+def test_the_serve_router_counts_a_placement_when_it_makes_it() -> None:
+    """Serve reports where a request went only when it ends, so the router counts its first
+    choice at once (affinity for the next request of the adapter) and corrects it at the end."""
+    pytest.importorskip("ray.serve")
+    import asyncio
+    from types import SimpleNamespace
+
+    from loraplex.cluster import wire
+    from loraplex.cluster.router import LoraplexRequestRouter
+
+    router = object.__new__(LoraplexRequestRouter)  # Serve builds it with a live deployment; only its policy here
+    router._replicas = {}
+    router.initialize_state(slo_ms=1e6)
+    from collections import namedtuple
+
+    rid = namedtuple("rid", "unique_id")
+    a, b = (SimpleNamespace(replica_id=rid(n), routing_stats={"at": 0.0}) for n in "ab")
+    router._replicas = {a.replica_id: a, b.replica_id: b}
+
+    def pending(n: int, adapter: str):
+        return SimpleNamespace(args=[wire.request("hi", adapter, {"max_tokens": 4})], kwargs={},
+                               metadata=SimpleNamespace(request_id=f"r{n}", internal_request_id=f"i{n}",
+                                                        multiplexed_model_id=adapter))
+
+    async def first(n: int, adapter: str):
+        ranks = await router.choose_replicas([a, b], pending(n, adapter))
+        assert ranks[0] == ranks[1]  # the first choice is probed twice before any other
+        return ranks[0][0]
+
+    home = asyncio.run(first(0, "x"))
+    assert all(asyncio.run(first(n, "x")) is home for n in range(1, 4))
+    other = b if home is a else a
+    assert asyncio.run(first(9, "y")) is other  # a new adapter goes where fewer adapters live
+    router._sent[other.replica_id].clear()  # y finished: the other replica is idle again
+    # four of x queued at home (no report since) while the other idles: x spreads (dLoRA)
+    assert asyncio.run(first(10, "x")) is other
+    # a request of y really went to `home`: y's home follows it
+    router.on_request_completed(home.replica_id, "i9")
+    assert router._last["y"] == home.replica_id
