@@ -54,11 +54,18 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
-def build_app(config: GatewayConfig) -> web.Application:
-    """The gateway application; the daemon clients open when it starts."""
+def build_app(config: GatewayConfig, *, client: AsyncClient | None = None,
+              admin: AsyncAdminClient | None = None) -> web.Application:
+    """The gateway application; the daemon clients open when it starts. `client`/`admin`: objects
+    with the same calls to use instead of the daemon's own sockets (the Ray cluster's ingress
+    passes clients that reach its replicas); the app closes them on cleanup."""
     app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
-    client = AsyncClient(runtime_dir=config.runtime_dir)
-    admin = AsyncAdminClient(runtime_dir=config.runtime_dir) if config.enable_adapter_admin else None
+    if client is None:
+        client = AsyncClient(runtime_dir=config.runtime_dir)
+    if admin is None and config.enable_adapter_admin:
+        admin = AsyncAdminClient(runtime_dir=config.runtime_dir)
+    if not config.enable_adapter_admin:
+        admin = None
     stats = DaemonStats(lambda timeout: client.stats(timeout=timeout), timeout_s=config.stats_timeout_s,
                         cache_s=config.stats_cache_s)
     app[STATE] = GatewayState(config=config, client=client, admin=admin,
@@ -84,6 +91,21 @@ async def _close_clients(app: web.Application) -> None:
         await state.admin.close()
 
 
+async def listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str, int]:
+    """Start serving `app` on host:port (0 picks one); (runner, bound host, bound port). The caller
+    owns the runner: `await runner.cleanup()` finishes in-flight responses and closes."""
+    # handler_cancellation: a client that disconnects cancels its generation on the daemon.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound_host, bound_port = runner.addresses[0][:2]
+    return runner, bound_host, bound_port
+
+
 async def serve(config: GatewayConfig, *, stop: asyncio.Event | None = None,
                 on_listening: Callable[[str, int], None] | None = None) -> None:
     """Listen until `stop` is set (default: until SIGINT or SIGTERM), then
@@ -94,14 +116,9 @@ async def serve(config: GatewayConfig, *, stop: asyncio.Event | None = None,
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-    # handler_cancellation: a client that disconnects cancels its generation on the daemon.
     app = build_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-    await runner.setup()
+    runner, host, port = await listen(app, config.host, config.port)
     try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        host, port = runner.addresses[0][:2]
         log.info("serving the OpenAI API at http://%s:%d/v1 (daemon: %s)", host, port, app[STATE].client.endpoint)
         if on_listening is not None:
             on_listening(host, port)

@@ -149,8 +149,10 @@ def _pool(s: Snapshot) -> Iterator[Metric]:
                          {k: pool.get(k) for k in ("total", "free", "kv", "adapter")})
     total, kv = _num(pool.get("total")), _num(pool.get("kv"))
     if total and kv is not None:
-        yield _gauge("vllm:gpu_cache_usage_perc", "Fraction of the pool held by KV cache (vLLM-compatible)",
-                     kv / total)
+        # Both names: vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc (v1), and the
+        # Gateway API Inference Extension's model-server protocol reads the new one.
+        for name in ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"):
+            yield _gauge(name, "Fraction of the pool held by KV cache (vLLM-compatible)", kv / total)
     resident = s.get("resident_adapters")
     if isinstance(resident, list):
         yield _gauge("loraplex_resident_adapters", "Adapters resident in the GPU pool", len(resident))

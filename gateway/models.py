@@ -70,8 +70,10 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     name, path = _string_field(body, "lora_name"), _string_field(body, "lora_path")
     if name == state.config.served_model_name:
         raise bad_request(f"{name!r} is the base model's name", "lora_name")
-    # The daemon resolves paths in its own working directory: send an absolute one.
-    path = os.path.abspath(os.path.expanduser(path))
+    # The daemon resolves paths in its own working directory: send an absolute one (a URI, which
+    # the cluster's ingress accepts, e.g. s3://bucket/prefix/NAME, is passed as given).
+    if "://" not in path:
+        path = os.path.abspath(os.path.expanduser(path))
     try:
         await _admin(state).add_adapter(name, path, timeout=ADAPTER_LOAD_TIMEOUT_S)
     except LoraplexError as exc:

@@ -519,6 +519,19 @@ def _run_gateway(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _configure_cluster(parser: argparse.ArgumentParser) -> None:
+    from loraplex.cluster.cli import configure
+
+    configure(parser)
+
+
+def _run_cluster(args: argparse.Namespace) -> int:
+    """Replicas of the daemon on Ray Serve behind an OpenAI ingress (needs the `cluster` extra)."""
+    from loraplex.cluster.cli import run
+
+    return run(args)
+
+
 def _configure_sim(parser: argparse.ArgumentParser) -> None:
     from loraplex.daemon.sim.cli import configure
 
@@ -581,6 +594,9 @@ COMMANDS: dict[str, Command] = {
                    configure=_configure_top, run=_run_top),
     "gateway": Command(help="OpenAI-compatible HTTP server (completions, chat, models, metrics) over the daemon",
                        configure=_configure_gateway, run=_run_gateway),
+    "cluster": Command(help="`loraplex cluster serve`: daemon replicas on Ray Serve behind one OpenAI ingress, "
+                              "placed by a rank- and adapter-aware request router", configure=_configure_cluster,
+                        run=_run_cluster),
     "serve": Command(
         help="run the daemon in the foreground (Ctrl-C drains and stops)",
         configure=_configure_serve,

@@ -18,7 +18,7 @@ ENGINE_SIDE = ("gpu_engine", "cpu_lora", "kernels")
 # The folders whose package name is not their path (pyproject's package-dir).
 PACKAGE_OF = {"gpu_engine": "loraplex.gpu_engine", "cpu_lora": "loraplex.cpu_lora", "kernels": "loraplex.kernels",
               "ipc": "loraplex.ipc", "daemon": "loraplex.daemon", "tui": "loraplex.tui",
-              "gateway": "loraplex.gateway", "loraplex": "loraplex"}
+              "gateway": "loraplex.gateway", "cluster": "loraplex.cluster", "loraplex": "loraplex"}
 
 
 def module_imports(path: Path) -> set[str]:
@@ -53,6 +53,12 @@ def offending(folders: tuple[str, ...], forbidden: str) -> dict[str, list[str]]:
 
 def test_the_engine_side_never_imports_the_daemon() -> None:
     assert offending(ENGINE_SIDE, "loraplex.daemon") == {}
+
+
+def test_the_cluster_never_imports_torch_or_the_engine_side() -> None:
+    """Ray Serve replicas run the daemon as a child process; the cluster code itself stays torch-free."""
+    for forbidden in ("torch", "loraplex.gpu_engine", "loraplex.cpu_lora", "loraplex.kernels"):
+        assert offending(("cluster",), forbidden) == {}, forbidden
 
 
 def test_the_check_sees_every_kind_of_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -208,6 +208,7 @@ def test_daemon_families_from_a_snapshot():
     assert _value(f, "loraplex_daemon_requests_finished_total", finish_reason="length") == 8
     assert _value(f, "loraplex_daemon_latency_seconds", metric="ttft", quantile="0.99") == pytest.approx(0.08)
     assert _value(f, "loraplex_pool_pages", kind="kv") == 50 and _value(f, "vllm:gpu_cache_usage_perc") == 0.5
+    assert _value(f, "vllm:kv_cache_usage_perc") == 0.5
     assert _value(f, "loraplex_adapter_cache_hit_ratio", tier="gpu") == pytest.approx(5 / 8)
     assert _value(f, "loraplex_adapter_path_requests_total", path="cpu_assisted") == 1
     assert _value(f, "loraplex_pcie_transferred_bytes_total", purpose="assist_d2h", direction="d2h") == 1024

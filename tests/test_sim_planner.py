@@ -88,6 +88,18 @@ def test_cli_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert f"plan: {out['engines']} engine(s): attainment" in captured.err  # progress on stderr
 
 
+def test_cli_writes_a_serve_config_for_the_engines_found(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "serve.yaml"
+    assert cli_main([*SMALL, "--slo-tpt-ms", "40", "--slo-ttft-ms", "1000", "--json", "--serve-config", str(path)]) == 0
+    engines = json.loads(capsys.readouterr().out)["engines"]
+    config = json.loads(path.read_text())  # JSON is YAML: `serve deploy` reads it
+    (app,) = config["applications"]
+    assert app["import_path"] == "loraplex.cluster.app:build_app" and app["args"]["replicas"] == engines
+    from loraplex.cluster.config import ClusterConfig
+
+    assert ClusterConfig.from_dict(app["args"]).replicas == engines  # what build_app will parse
+
+
 def test_cli_table_and_answer(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main([*SMALL, "--slo-tpt-ms", "40", "--slo-ttft-ms", "1000"]) == 0
     out = capsys.readouterr().out

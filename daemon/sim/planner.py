@@ -116,6 +116,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override one profile field (repeatable; e.g. kernel=bgmv)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--serve-config", type=Path, default=None, metavar="FILE",
+                   help="also write a Ray Serve config deploying the engine count found as loraplex cluster "
+                        "replicas (one engine each; `serve deploy FILE`)")
     add_workload_args(p)  # --trace alone replays the trace's arrivals and lengths
 
 
@@ -158,6 +161,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"loraplex plan: no engine count up to {spec.max_engines} reaches {spec.target_attainment:.2%} "
               f"SLO attainment (best: {best:.2%}); raise --max-engines or relax the SLOs", file=sys.stderr)
         return 1
+    if args.serve_config is not None:
+        from loraplex.cluster.config import ClusterConfig, serve_config  # ray-free; only when asked
+
+        cluster = ClusterConfig(replicas=result.engines)
+        args.serve_config.write_text(json.dumps(serve_config(cluster), indent=2) + "\n")
+        print(f"plan: wrote a Serve config for {result.engines} replica(s) to {args.serve_config}", file=sys.stderr)
     if not args.json:
         print(f"{result.engines} engine(s) meet {spec.target_attainment:.2%} attainment "
               f"(TTFT <= {config.ttft_slo_ms:g} ms, TPT <= {config.tpt_slo_ms:g} ms)")

@@ -1,0 +1,101 @@
+"""Where a request should go among replicas, from their routing stats (stats.routing_stats):
+the daemon's rank-aware policy (loraplex.daemon.router.RankAwareRouter) on an EngineState built
+per replica, plus the cost of bringing the request's adapter there, with ties to the replica the
+adapter was last sent to, and an adapter new to the cluster goes to the replica that is home to
+the fewest adapters (as Serve's multiplexing does), so the working set spreads evenly. Cross-replica balancing as dLoRA's proactive dispatch: once some
+replica has `spread_queue` or more of the adapter's requests queued while another replica is
+idle, affinity is off for that adapter and the policy alone places it, so a hot adapter spreads.
+Pure: no Ray here, the request router (router.py) feeds it.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraplex.daemon.router import EngineRequest, EngineState, RankAwareRouter, RequestInfo
+
+# (adapter, rank, work tokens) of a request routed to a replica after its latest report
+Sent = tuple[str | None, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """One candidate replica: its latest routing stats and what was sent to it since."""
+
+    key: str
+    stats: Mapping[str, Any]
+    sent: Sequence[Sent] = ()
+    last_for_adapter: bool = False  # the request's adapter was last sent here
+    assigned: int = 0  # adapters whose requests were last sent here (their home)
+
+    def engine(self, index: int) -> EngineState:
+        def rows(key: str) -> tuple[EngineRequest, ...]:
+            return tuple(EngineRequest(f"{key}{n}", a, int(r), int(t))
+                         for n, (a, r, t) in enumerate(self.stats.get(key) or []))
+
+        queued = tuple(EngineRequest(f"sent{n}", a, r, w) for n, (a, r, w) in enumerate(self.sent))
+        s = self.stats
+        return EngineState(engine_id=index, running=rows("running"), waiting=rows("waiting") + queued,
+                           resident_adapters=frozenset(s.get("gpu") or ()) | {a for a, _, _ in self.sent if a},
+                           max_num_seqs=int(s.get("max_num_seqs") or 1), healthy=bool(s.get("healthy", True)),
+                           free_pages=int(s.get("free_pages") or 0), total_pages=int(s.get("total_pages") or 0),
+                           tokens_per_s=float(s.get("tokens_per_s") or 1000.0), step_ms=float(s.get("step_ms") or 0.0))
+
+    def adapter_tier(self, adapter: str | None) -> str:
+        """gpu (resident, or being brought there by a request sent since), host, or none."""
+        if not adapter or adapter in (self.stats.get("gpu") or ()) or any(a == adapter for a, _, _ in self.sent):
+            return "gpu"
+        return "host" if adapter in (self.stats.get("host") or ()) else "none"
+
+
+@dataclass(slots=True)
+class Placement:
+    """policy: the daemon's rank-aware router; miss_ms / host_miss_ms: what an adapter that is not
+    on the replica's GPU costs, from its host tier or from disk / the adapter source."""
+
+    policy: RankAwareRouter = field(default_factory=RankAwareRouter)
+    miss_ms: float = 20.0
+    host_miss_ms: float = 5.0
+    spread_queue: int = 4
+
+    def __post_init__(self) -> None:
+        if not (self.miss_ms >= 0 and self.host_miss_ms >= 0 and self.spread_queue >= 1):
+            raise ValueError("miss_ms and host_miss_ms must be >= 0, spread_queue >= 1")
+
+    def order(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[int]:
+        """Indices into `replicas`, best first."""
+        engines = [r.engine(i) for i, r in enumerate(replicas)]
+        affinity = not self.spreading(request.adapter, engines)
+
+        def key(i: int) -> tuple[float, int, int, float, int, str]:
+            replica, engine = replicas[i], engines[i]
+            cost = self.policy.cost(request, engine) if engine.healthy else float("inf")
+            if affinity:
+                cost += self.adapter_ms(request.adapter, replica)
+            return (cost, 0 if affinity and replica.last_for_adapter else 1, replica.assigned if affinity else 0,
+                    self.policy.predicted_ms(request, engine), engine.num_requests, replica.key)
+
+        return sorted(range(len(replicas)), key=key)
+
+    def spreading(self, adapter: str | None, engines: Sequence[EngineState]) -> bool:
+        """Whether `adapter` is queued deep on one replica while another is idle."""
+        if not adapter:
+            return False
+        deepest = max((sum(r.adapter == adapter for r in e.waiting) for e in engines), default=0)
+        return deepest >= self.spread_queue and any(e.healthy and e.num_requests == 0 for e in engines)
+
+    def adapter_ms(self, adapter: str | None, replica: ReplicaView) -> float:
+        tier = replica.adapter_tier(adapter)
+        return 0.0 if tier == "gpu" else self.host_miss_ms if tier == "host" else self.miss_ms
+
+
+def rank_of(adapter: str | None, stats: Sequence[Mapping[str, Any]]) -> int:
+    """The adapter's LoRA rank as any replica reports it (0: base, or not known yet)."""
+    if not adapter:
+        return 0
+    for s in stats:
+        rank = (s.get("ranks") or {}).get(adapter)
+        if isinstance(rank, int) and not isinstance(rank, bool):
+            return rank
+    return 0

@@ -1,0 +1,68 @@
+"""What crosses Ray between the ingress and the replicas: plain dicts of str, int, float and
+lists (Ray serializes them; no loraplex object travels), and their conversion to and from the
+client library's types. A replica's LoraplexError arrives at the ingress with its code, so the
+gateway answers it as it would the daemon's.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from loraplex.ipc.client_calls import generate_request
+from loraplex.ipc.client_types import GenerateResult, StreamChunk
+from loraplex.ipc.errors import ErrorCode, LoraplexError
+
+# AsyncClient.stream's keyword defaults: a request is checked with the client library's own
+# validation at the ingress, so a bad field gets its 400 there and never reaches a replica.
+_DEFAULTS: dict[str, Any] = {"max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": None,
+                             "stop": None, "stop_token_ids": None, "ignore_eos": False, "logprobs": False,
+                             "priority": 0, "slo_ttft_ms": None, "timeout": None, "request_id": None}
+
+
+def request(prompt: str | Sequence[int], adapter: str | None, options: Mapping[str, Any]) -> dict[str, Any]:
+    """One generate for a replica; raises ValueError for an unknown option and ProtocolError for
+    a field the daemon would refuse (as AsyncClient.stream does)."""
+    unknown = sorted(set(options) - set(_DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown generate options {unknown}")
+    generate_request(prompt, adapter=adapter, stream=True, **{**_DEFAULTS, **options})
+    if not isinstance(prompt, str):
+        prompt = [int(t) for t in prompt]
+    return {"prompt": prompt, "adapter": adapter, "options": dict(options)}
+
+
+def prompt_len(payload: Mapping[str, Any]) -> int:
+    """Rough prompt length in tokens for routing (a text prompt counts ~4 characters a token)."""
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt) // 4 + 1
+    return len(prompt) if isinstance(prompt, list) else 0
+
+
+def chunk_event(chunk: StreamChunk) -> dict[str, Any]:
+    return {"chunk": asdict(chunk)}
+
+
+def result_event(result: GenerateResult) -> dict[str, Any]:
+    return {"result": asdict(result)}
+
+
+def error_event(exc: LoraplexError) -> dict[str, Any]:
+    return {"error": {"code": exc.code.value, "message": exc.message, "request_id": exc.request_id}}
+
+
+def to_chunk(raw: Mapping[str, Any]) -> StreamChunk:
+    return StreamChunk(**raw)
+
+
+def to_result(raw: Mapping[str, Any]) -> GenerateResult:
+    return GenerateResult(**raw)
+
+
+def to_error(raw: Mapping[str, Any]) -> LoraplexError:
+    try:
+        code = ErrorCode.parse(str(raw.get("code")))
+    except ValueError:
+        code = ErrorCode.INTERNAL
+    return LoraplexError(code, str(raw.get("message", "")), raw.get("request_id"))
