@@ -158,6 +158,13 @@ class PromptIntake:
         else:
             self._queued.pop(identity, None)
 
+    def check_vocab(self, ids: list[int], what: str) -> None:
+        """Refuse token ids outside the model's vocabulary (logit_bias keys, stop_token_ids)."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise Rejected(ErrorCode.INVALID_TOKEN,
+                           f"{what}: token id {bad} is outside the vocabulary (size {self.vocab_size})")
+
     def check_ids(self, ids: list[int], max_tokens: int | None) -> int:
         """Check a prompt's ids against the model; return how many tokens it may generate:
         `max_tokens`, or all the context leaves when None (vLLM's default). Refused when the

@@ -65,6 +65,9 @@ class RequestAdmission:
         key = request_key(identity, msg.request_id)
         self._check_room(identity, key, msg)
         self._check_adapter(msg)
+        if self.intake.vocab_size:  # known once an engine said what it runs
+            self.intake.check_vocab(msg.bias_lists()[0], "logit_bias")
+            self.intake.check_vocab(msg.stop_token_ids, "stop_token_ids")
         if msg.prompt is None:
             max_tokens = self.intake.check_ids(msg.prompt_token_ids, msg.max_tokens)  # before copying them
             await self._route(self._register(identity, key, msg), list(msg.prompt_token_ids), max_tokens)
@@ -149,11 +152,17 @@ class RequestAdmission:
 
 def _sequence_request(key: str, msg: GenerateRequest, ids: list[int], max_tokens: int) -> SeqRequest:
     """What the scheduler sees of a client request."""
+    bias_ids, bias_values = msg.bias_lists()
     return SeqRequest(
         request_id=key, prompt_ids=ids, adapter=msg.adapter,
         sampling=SamplingSpec(temperature=msg.temperature if msg.top_k != 1 else 0.0, top_p=msg.top_p,
                               top_k=msg.top_k, seed=msg.seed if msg.seed is not None else secrets.randbits(63),
-                              logprobs=msg.logprobs),
+                              logprobs=msg.logprobs or msg.top_logprobs > 0, top_logprobs=msg.top_logprobs,
+                              presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+                              repetition_penalty=msg.repetition_penalty, logit_bias_ids=bias_ids,
+                              logit_bias_values=bias_values, min_tokens=msg.min_tokens,
+                              stop_token_ids=list(msg.stop_token_ids) if msg.min_tokens else [],
+                              ignore_eos=msg.ignore_eos),
         max_tokens=max_tokens, stop_token_ids=frozenset(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         ttft_slo_s=None if msg.slo_ttft_ms is None else msg.slo_ttft_ms / 1e3,
     )

@@ -108,7 +108,7 @@ class RequestTable(Mapping[str, ClientRequest]):
                 continue
             if state.first_token_at is None:
                 state.first_step_engine_ms = result.forward_ms + result.sample_ms
-            chunk, stopped = state.on_token(row.token_id, row.logprob)
+            chunk, stopped = state.on_token(row)
             if chunk is not None:
                 await self.send(state.identity, chunk)
             if stopped:

@@ -21,6 +21,7 @@ from loraplex.ipc.client_async import AsyncAdminClient, AsyncClient, AsyncStream
 from loraplex.ipc.client_sync import AdminClient, Client, Stream
 from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk, new_request_id
 from loraplex.ipc.errors import ErrorCode, LoraplexError
+from loraplex.ipc.protocol import TopLogprobs
 
 __all__ = [
     "AdapterInfo",
@@ -35,5 +36,6 @@ __all__ = [
     "LoraplexError",
     "Stream",
     "StreamChunk",
+    "TopLogprobs",
     "new_request_id",
 ]

@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Sequence, TypeVar, Union
+from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar, Union
 
 from loraplex.ipc.client_types import AdapterInfo, GenerateResult, StreamChunk, new_request_id
 from loraplex.ipc.errors import ErrorCode, LoraplexError
 from loraplex.ipc.protocol import (
+    TopLogprobs,
     MAX_DEADLINE_MS,
     AdaptersReply,
     AddAdapterRequest,
@@ -149,11 +150,17 @@ def generate_request(
     slo_ttft_ms: float | None,
     timeout: float | None,
     stream: bool,
+    top_logprobs: int = 0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int = 0,
 ) -> GenerateRequest:
     """The validated `generate` message for the client methods' arguments.
 
-    Requests logprobs as a stream even for a plain generate, because only
-    `token` chunks carry logprobs. The timeout also becomes the daemon-side
+    Requests logprobs (and top_logprobs) as a stream even for a plain generate,
+    because only `token` chunks carry them. logit_bias: token id -> bias. The timeout also becomes the daemon-side
     deadline, so a timed-out request is dropped there even if our cancel is lost.
     Raises ValueError (ProtocolError for fields) for out-of-range arguments.
     """
@@ -178,21 +185,41 @@ def generate_request(
         stop=[stop] if isinstance(stop, str) else list(stop or ()),
         stop_token_ids=list(stop_token_ids or ()),
         ignore_eos=ignore_eos,
-        stream=stream or logprobs,
+        stream=stream or logprobs or top_logprobs > 0,
         logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        logit_bias=_bias_map(logit_bias),
+        min_tokens=min_tokens,
         priority=priority,
         slo_ttft_ms=slo_ttft_ms,
         deadline_ms=deadline_ms,
     )
 
 
+def _bias_map(logit_bias: Mapping[int, float] | None) -> dict[str, float]:
+    """The wire's logit_bias: decimal token id strings (as OpenAI's JSON) -> bias."""
+    if not logit_bias:
+        return {}
+    out = {}
+    for token, bias in logit_bias.items():
+        if isinstance(token, bool) or not isinstance(token, (int, str)) or not str(token).isdigit():
+            raise ValueError(f"logit_bias: keys must be token ids, got {token!r}")
+        out[str(int(token))] = bias
+    return out
+
+
 class StreamAssembler:
     """Turns the replies of one generate into chunks, then one result."""
 
-    def __init__(self, request_id: str, want_logprobs: bool) -> None:
-        self.request_id = request_id
+    def __init__(self, request: GenerateRequest) -> None:
+        self.request_id = request.request_id
         self.result: GenerateResult | None = None
+        want_logprobs = request.logprobs or request.top_logprobs > 0
         self._logprobs: list[float] | None = [] if want_logprobs else None
+        self._top: list[TopLogprobs] | None = [] if request.top_logprobs > 0 else None
 
     def finished_result(self) -> GenerateResult:
         if self.result is None:
@@ -205,7 +232,10 @@ class StreamAssembler:
         if isinstance(item, TokenChunk):
             if self._logprobs is not None and item.logprobs is not None:
                 self._logprobs.extend(item.logprobs)
-            return StreamChunk(item.request_id, item.token_ids, item.text, item.index, item.logprobs)
+            if self._top is not None and item.top_logprobs is not None:
+                self._top.extend(item.top_logprobs)
+            return StreamChunk(item.request_id, item.token_ids, item.text, item.index, item.logprobs,
+                               item.top_logprobs)
         done = expect(item, DoneReply, self.request_id)
         self.result = GenerateResult(
             request_id=done.request_id,
@@ -215,5 +245,6 @@ class StreamAssembler:
             usage=dict(done.usage),
             timings=dict(done.timings),
             logprobs=self._logprobs,
+            top_logprobs=self._top,
         )
         return None

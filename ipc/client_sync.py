@@ -14,7 +14,7 @@ import os
 import queue
 import threading
 import time
-from typing import Sequence, TypeVar
+from typing import Mapping, Sequence, TypeVar
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -246,7 +246,7 @@ class Stream:
         self.request_id = request.request_id
         self._timeout = timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._assembler = StreamAssembler(request.request_id, request.logprobs)
+        self._assembler = StreamAssembler(request)
         self._open = False
         self._replies = self._transport.start(request, request.request_id, cancellable=True)
         self._open = True
@@ -380,7 +380,9 @@ class Client(_SyncBase):
         seed: int | None = None,
         stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
-        timeout: float | None = None, request_id: str | None = None,
+        timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
+        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0,
     ) -> GenerateResult:
         """Generate a completion of `prompt` (text or token ids) with `adapter`
         (None: the base model) and wait for it.
@@ -399,6 +401,8 @@ class Client(_SyncBase):
             prompt, request_id=request_id, adapter=adapter, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=False,
+            top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
         )
         stream = Stream(self, request, timeout)
         with stream:
@@ -415,7 +419,9 @@ class Client(_SyncBase):
         seed: int | None = None,
         stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
-        timeout: float | None = None, request_id: str | None = None,
+        timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
+        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0,
     ) -> Stream:
         """As generate(), but returns at once with a Stream of chunks; the
         request is sent before this returns. See Stream for the end convention."""
@@ -423,6 +429,8 @@ class Client(_SyncBase):
             prompt, request_id=request_id, adapter=adapter, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=True,
+            top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
         )
         return Stream(self, request, timeout)
 

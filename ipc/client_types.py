@@ -9,6 +9,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from loraplex.ipc.protocol import TopLogprobs
+
 REQUEST_ID_PREFIX = "lpx-"
 PROBE_ID_PREFIX = "lpx-probe-"
 
@@ -21,13 +23,15 @@ def new_request_id(prefix: str = REQUEST_ID_PREFIX) -> str:
 @dataclass(frozen=True, slots=True)
 class StreamChunk:
     """Tokens of one `token` reply. `index` is the completion position of the
-    first token; `logprobs` has one entry per token id when requested."""
+    first token; `logprobs` has one entry per token id when requested, and so
+    has `top_logprobs` (the most likely alternatives) when requested."""
 
     request_id: str
     token_ids: list[int]
     text: str
     index: int
     logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +42,8 @@ class GenerateResult:
     usage: prompt_tokens, completion_tokens (and whatever else the daemon counts).
     timings: milliseconds queue_ms, e2e_ms (always), ttft_ms, tpt_ms (once a
     token was produced) and adapter_path ("base", "cached", "loaded" or
-    "cpu_assisted"). logprobs: one per completion token when requested, else None.
+    "cpu_assisted"). logprobs: one per completion token when requested, else None;
+    top_logprobs: likewise, each the alternatives at that position.
     """
 
     request_id: str
@@ -48,6 +53,7 @@ class GenerateResult:
     usage: dict[str, int]
     timings: dict[str, float | str]
     logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass(frozen=True, slots=True)

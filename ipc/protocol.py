@@ -70,12 +70,14 @@ from loraplex.ipc.messages.replies import (
     ADAPTER_PATHS,
     FINISH_REASONS,
     MAX_ERROR_MESSAGE_LEN,
+    MAX_TOKEN_TEXT_LEN,
     AdaptersReply,
     DoneReply,
     ErrorReply,
     PongReply,
     StatsReply,
     TokenChunk,
+    TopLogprobs,
 )
 
 # The requests each socket accepts; the daemon answers anything else with
@@ -127,6 +129,7 @@ __all__ = [
     "MAX_DEADLINE_MS",
     "MAX_DRAIN_TIMEOUT_S",
     "MAX_ERROR_MESSAGE_LEN",
+    "MAX_TOKEN_TEXT_LEN",
     "MAX_NEW_TOKENS",
     "MAX_PATH_LEN",
     "MAX_PROMPT_TOKEN_IDS",
@@ -158,6 +161,7 @@ __all__ = [
     "StatsReply",
     "StatsRequest",
     "TokenChunk",
+    "TopLogprobs",
     "build",
     "is_valid_request_id",
     "message_class",

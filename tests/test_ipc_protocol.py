@@ -15,6 +15,7 @@ from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.messages.checks import InInterval, InRange, Length, TokenIds
 from loraplex.ipc.protocol import (
     PROTOCOL_VERSION,
+    TopLogprobs,
     AdaptersReply,
     AddAdapterRequest,
     AdminOkReply,
@@ -121,6 +122,12 @@ SAMPLES: list[Message] = [
         ignore_eos=True,
         stream=True,
         logprobs=True,
+        top_logprobs=5,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.2,
+        logit_bias={"13": -100.0, "450": 2.5},
+        min_tokens=3,
         priority=-3,
         slo_ttft_ms=250.0,
         deadline_ms=30_000.0,
@@ -129,7 +136,9 @@ SAMPLES: list[Message] = [
     ListAdaptersRequest(request_id="l1"),
     StatsRequest(request_id="s1"),
     PingRequest(request_id="p1"),
-    TokenChunk(request_id="req-7f3a", token_ids=[450, 4996], text=" the cat", logprobs=[-0.25, -1.5], index=12),
+    TokenChunk(request_id="req-7f3a", token_ids=[450, 4996], text=" the cat", logprobs=[-0.25, -1.5], index=12,
+               top_logprobs=[TopLogprobs(token_ids=[450, 7], logprobs=[-0.25, -2.0], texts=[" the", "a"]),
+                             TopLogprobs(token_ids=[4996, 9], logprobs=[-1.5, -1.75], texts=[" cat", " dog"])]),
     DoneReply(
         request_id="req-7f3a",
         finish_reason="length",

@@ -468,6 +468,8 @@ class BaseScheduler(ABC):
                 seq.first_token_at = self._clock()
             seq.output_ids.append(out.token_id)
             seq.logprobs.append(out.logprob)
+            if out.top_ids:
+                seq.top_logprobs.append(dict(zip(out.top_ids, out.top_logprobs)))
             reason = self._finish_reason(seq, out.token_id)
             if reason is not None:
                 self.predictor.observe(seq.req.adapter, len(seq.output_ids))

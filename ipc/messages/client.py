@@ -10,10 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated
 
+from loraplex.ipc.errors import ErrorCode
+from loraplex.ipc.engine_plan import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TOP_LOGPROBS,
+)
 from loraplex.ipc.messages.base import Message, register
 from loraplex.ipc.messages.checks import (
     INT32_MAX,
     INT32_MIN,
+    MAX_TOKEN_ID,
     UINT63_MAX,
     InInterval,
     InRange,
@@ -44,6 +53,11 @@ class GenerateRequest(Message):
     prompt (vLLM's behaviour when it is omitted). The daemon refuses a prompt plus
     max_tokens longer than the context (`context_length_exceeded`), never cuts it.
     top_k: -1 disables it. seed: None draws from the daemon's generator.
+    logprobs: the sampled token's logprob; top_logprobs (0..20) adds that many
+    most likely alternatives per token (and implies logprobs).
+    presence_penalty, frequency_penalty, repetition_penalty, logit_bias (token
+    id as a decimal string -> bias) and min_tokens as vLLM's SamplingParams;
+    ipc.engine_plan.SamplingSpec says how they act on the logits.
     priority: lower values are served earlier (vLLM's convention).
     slo_ttft_ms: the time-to-first-token target admission control may use.
     deadline_ms: give up (code `timeout`) this long after the daemon received
@@ -67,6 +81,13 @@ class GenerateRequest(Message):
     ignore_eos: bool = False
     stream: bool = False
     logprobs: bool = False
+    top_logprobs: Annotated[int, InRange(0, MAX_TOP_LOGPROBS)] = 0
+    presence_penalty: Annotated[float, InInterval(-MAX_PENALTY, MAX_PENALTY)] = 0.0
+    frequency_penalty: Annotated[float, InInterval(-MAX_PENALTY, MAX_PENALTY)] = 0.0
+    repetition_penalty: Annotated[float, InInterval(0.0, MAX_REPETITION_PENALTY, lo_open=True)] = 1.0
+    logit_bias: Annotated[dict[str, Annotated[float, InInterval(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)]],
+                          Length(0, MAX_LOGIT_BIAS_ENTRIES)] = field(default_factory=dict)
+    min_tokens: Annotated[int, InRange(0, MAX_NEW_TOKENS)] = 0
     priority: Annotated[int, InRange(INT32_MIN, INT32_MAX)] = 0
     slo_ttft_ms: Annotated[float, InInterval(0.0, MAX_SLO_TTFT_MS, lo_open=True)] | None = None
     deadline_ms: Annotated[float, InInterval(0.0, MAX_DEADLINE_MS, lo_open=True)] | None = None
@@ -74,6 +95,15 @@ class GenerateRequest(Message):
     def validate(self) -> None:
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise invalid("exactly one of prompt and prompt_token_ids must be given")
+        for key in self.logit_bias:
+            if not (len(key) <= 10 and key.isascii() and key.isdigit()) or int(key) > MAX_TOKEN_ID:
+                raise invalid(f"logit_bias: key {key[:16]!r} is not a token id", ErrorCode.INVALID_TOKEN)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise invalid(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+
+    def bias_lists(self) -> tuple[list[int], list[float]]:
+        """logit_bias as (token ids, biases)."""
+        return [int(k) for k in self.logit_bias], list(self.logit_bias.values())
 
 
 @register

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+from loraplex.ipc.engine_plan import MAX_TOP_LOGPROBS
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.messages.base import Message, register
 from loraplex.ipc.messages.checks import (
@@ -25,6 +26,7 @@ from loraplex.ipc.messages.checks import (
 from loraplex.ipc.messages.fields import Rule
 
 MAX_COMPLETION_TOKEN_IDS = 1 << 20
+MAX_TOKEN_TEXT_LEN = 1024  # one token decoded alone
 MAX_ERROR_MESSAGE_LEN = 4096
 # How the adapter reached the GPU for this request (README, "Adapter load modes").
 ADAPTER_PATHS = ("base", "cached", "loaded", "cpu_assisted", "merged")
@@ -37,12 +39,28 @@ TOKEN_TIMINGS = ("ttft_ms", "tpt_ms")
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
+@dataclass(frozen=True, slots=True)
+class TopLogprobs:
+    """The most likely tokens at one position of a completion, most likely first, with
+    their logprobs under the model's raw distribution; `texts`: each token decoded alone
+    (empty strings when the model has no tokenizer)."""
+
+    token_ids: Annotated[list[int], TokenIds(0, MAX_TOP_LOGPROBS)]
+    logprobs: Annotated[list[float], Length(0, MAX_TOP_LOGPROBS)]
+    texts: Annotated[list[Annotated[str, Length(0, MAX_TOKEN_TEXT_LEN)]], Length(0, MAX_TOP_LOGPROBS)]
+
+    def __post_init__(self) -> None:
+        if not len(self.token_ids) == len(self.logprobs) == len(self.texts):
+            raise ValueError("token_ids, logprobs and texts must have the same length")
+
+
 @register
 @dataclass(frozen=True, slots=True)
 class TokenChunk(Message):
     """Streamed tokens of one request. `index` is the position in the
     completion of this chunk's first token, so gaps are detectable.
-    `logprobs`, when requested, has one entry per token id."""
+    `logprobs`, when requested, has one entry per token id, and so has
+    `top_logprobs` when alternatives were requested."""
 
     TYPE = "token"
 
@@ -51,10 +69,13 @@ class TokenChunk(Message):
     text: str = ""
     logprobs: list[float] | None = None
     index: Annotated[int, AtLeast(0)] = 0
+    top_logprobs: list[TopLogprobs] | None = None
 
     def validate(self) -> None:
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
             raise invalid(f"logprobs: {len(self.logprobs)} entries for {len(self.token_ids)} token ids")
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.token_ids):
+            raise invalid(f"top_logprobs: {len(self.top_logprobs)} entries for {len(self.token_ids)} token ids")
 
 
 @register
