@@ -34,6 +34,7 @@ class ClientRequest:
     engine_retries: int = 0  # times this request was recomputed after its engine died
     engine: int = 0  # index of the engine replica serving it
     migrations: int = 0  # times it moved to another engine (co-migration)
+    cached_tokens: int = 0  # prompt tokens whose KV was reused rather than computed (no prefix cache yet: 0)
 
     @property
     def request_id(self) -> str:
@@ -96,7 +97,8 @@ class ClientRequest:
             timings["first_step_engine_ms"] = self.first_step_engine_ms
         return DoneReply(
             request_id=self.request_id, finish_reason=finish_reason,
-            usage={"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.token_ids)},
+            usage={"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.token_ids),
+                   "cached_tokens": self.cached_tokens},
             timings=timings, token_ids=list(self.token_ids), text=self.text,
         )
 

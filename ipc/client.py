@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from loraplex.ipc.client_async import AsyncAdminClient, AsyncClient, AsyncStream
 from loraplex.ipc.client_sync import AdminClient, Client, Stream
-from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk, new_request_id
+from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk, Tokenized, new_request_id
 from loraplex.ipc.errors import ErrorCode, LoraplexError
 from loraplex.ipc.protocol import TopLogprobs
 
@@ -36,6 +36,7 @@ __all__ = [
     "LoraplexError",
     "Stream",
     "StreamChunk",
+    "Tokenized",
     "TopLogprobs",
     "new_request_id",
 ]

@@ -36,7 +36,7 @@ from loraplex.ipc.client_core import (
     send_failed,
     timed_out,
 )
-from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk
+from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk, Tokenized
 from loraplex.ipc.curve import CurveClientKeys, check_tcp_endpoint
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.protocol import CancelRequest, GenerateRequest, Message, PolicyKind
@@ -344,6 +344,14 @@ class _AsyncBase:
     async def adapters(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> list[AdapterInfo]:
         """The registered adapters."""
         return await self._call(calls.list_adapters(timeout))
+
+    async def tokenize(self, text: str, *, timeout: float | None = CONTROL_TIMEOUT_S) -> Tokenized:
+        """`text`'s token ids under the daemon's tokenizer (as a prompt gets them), and the context length."""
+        return await self._call(calls.tokenize(text, timeout))
+
+    async def detokenize(self, token_ids: Sequence[int], *, timeout: float | None = CONTROL_TIMEOUT_S) -> str:
+        """The text of `token_ids` (special tokens kept)."""
+        return await self._call(calls.detokenize(token_ids, timeout))
 
     async def stats(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
         """One snapshot of the daemon's metrics."""

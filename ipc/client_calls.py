@@ -12,9 +12,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar, Union
 
-from loraplex.ipc.client_types import AdapterInfo, GenerateResult, StreamChunk, new_request_id
+from loraplex.ipc.client_types import AdapterInfo, GenerateResult, StreamChunk, Tokenized, new_request_id
 from loraplex.ipc.errors import ErrorCode, LoraplexError
 from loraplex.ipc.protocol import (
+    DetokenizedReply,
+    DetokenizeRequest,
+    TokenizedReply,
+    TokenizeRequest,
     TopLogprobs,
     MAX_DEADLINE_MS,
     AdaptersReply,
@@ -94,6 +98,16 @@ def _admin(request: Message, timeout: float | None) -> Call[dict[str, object]]:
 def list_adapters(timeout: float | None) -> Call[list[AdapterInfo]]:
     return Call(ListAdaptersRequest(request_id=new_request_id()), AdaptersReply,
                 lambda reply: [AdapterInfo.from_entry(entry) for entry in reply.adapters], timeout)
+
+
+def tokenize(text: str, timeout: float | None) -> Call[Tokenized]:
+    return Call(TokenizeRequest(request_id=new_request_id(), prompt=text), TokenizedReply,
+                lambda reply: Tokenized(list(reply.token_ids), reply.max_model_len), timeout)
+
+
+def detokenize(token_ids: Sequence[int], timeout: float | None) -> Call[str]:
+    return Call(DetokenizeRequest(request_id=new_request_id(), token_ids=list(token_ids)), DetokenizedReply,
+                lambda reply: reply.text, timeout)
 
 
 def stats(timeout: float | None) -> Call[dict[str, object]]:
@@ -199,15 +213,16 @@ def generate_request(
     )
 
 
-def _bias_map(logit_bias: Mapping[int, float] | None) -> dict[str, float]:
-    """The wire's logit_bias: decimal token id strings (as OpenAI's JSON) -> bias."""
+def _bias_map(logit_bias: Mapping[int, float] | Mapping[str, float] | None) -> dict[str, float]:
+    """The wire's logit_bias: decimal token id strings (as OpenAI's JSON keys) -> bias; the
+    message checks the ids and the biases."""
     if not logit_bias:
         return {}
     out = {}
     for token, bias in logit_bias.items():
-        if isinstance(token, bool) or not isinstance(token, (int, str)) or not str(token).isdigit():
+        if isinstance(token, bool) or not isinstance(token, (int, str)):
             raise ValueError(f"logit_bias: keys must be token ids, got {token!r}")
-        out[str(int(token))] = bias
+        out[str(token)] = bias
     return out
 
 

@@ -35,6 +35,14 @@ class StreamChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class Tokenized:
+    """A text's token ids under the daemon's tokenizer, and the context it serves."""
+
+    token_ids: list[int]
+    max_model_len: int
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateResult:
     """A finished generate, from the daemon's `done` reply.
 

@@ -40,10 +40,12 @@ from loraplex.ipc.messages.client import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     CancelRequest,
+    DetokenizeRequest,
     GenerateRequest,
     ListAdaptersRequest,
     PingRequest,
     StatsRequest,
+    TokenizeRequest,
 )
 from loraplex.ipc.messages.cpu import (
     FAILURE_CODES as CPU_FAILURE_CODES,
@@ -72,11 +74,13 @@ from loraplex.ipc.messages.replies import (
     MAX_ERROR_MESSAGE_LEN,
     MAX_TOKEN_TEXT_LEN,
     AdaptersReply,
+    DetokenizedReply,
     DoneReply,
     ErrorReply,
     PongReply,
     StatsReply,
     TokenChunk,
+    TokenizedReply,
     TopLogprobs,
 )
 
@@ -85,6 +89,8 @@ from loraplex.ipc.messages.replies import (
 # socket.
 CLIENT_REQUESTS: tuple[type[Message], ...] = (
     GenerateRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
     CancelRequest,
     ListAdaptersRequest,
     StatsRequest,
@@ -146,6 +152,8 @@ __all__ = [
     "AddAdapterRequest",
     "AdminOkReply",
     "CancelRequest",
+    "DetokenizeRequest",
+    "DetokenizedReply",
     "DoneReply",
     "DrainRequest",
     "ErrorReply",
@@ -161,6 +169,8 @@ __all__ = [
     "StatsReply",
     "StatsRequest",
     "TokenChunk",
+    "TokenizeRequest",
+    "TokenizedReply",
     "TopLogprobs",
     "build",
     "is_valid_request_id",

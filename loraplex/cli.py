@@ -228,16 +228,49 @@ def _configure_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 disables it (vLLM)")
+    parser.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                        help="add BIAS in [-100, 100] to token ID's logit (repeatable)")
+    parser.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help="print each token's logprob and its N most likely alternatives (0..20)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+
+
+def _logit_bias(pairs: list[str]) -> dict[int, float]:
+    bias = {}
+    for pair in pairs:
+        token, sep, value = pair.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias takes ID=BIAS, got {pair!r}") from None
+    return bias
+
+
+def _print_logprobs(result) -> None:
+    """One line per completion token: its id and logprob, then its alternatives."""
+    tops = result.top_logprobs or [None] * len(result.token_ids)
+    for token, lp, top in zip(result.token_ids, result.logprobs or [], tops):
+        alternatives = "" if top is None else "  " + "  ".join(
+            f"{text!r}({alt}) {alt_lp:.3f}" for alt, alt_lp, text in zip(top.token_ids, top.logprobs, top.texts))
+        print(f"{token}\t{lp:.4f}{alternatives}")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from loraplex.ipc.client import LoraplexError
 
-    options = dict(adapter=args.adapter, max_tokens=args.max_tokens, temperature=args.temperature,
-                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or None,
-                   ignore_eos=args.ignore_eos, timeout=args.timeout)
     try:
+        options = dict(adapter=args.adapter, max_tokens=args.max_tokens, temperature=args.temperature,
+                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or None,
+                       ignore_eos=args.ignore_eos, timeout=args.timeout, min_tokens=args.min_tokens,
+                       presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                       repetition_penalty=args.repetition_penalty, logit_bias=_logit_bias(args.logit_bias),
+                       logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0)
         with _client(args) as client:
             if args.stream:
                 stream = client.stream(args.prompt, **options)
@@ -248,6 +281,8 @@ def _run_generate(args: argparse.Namespace) -> int:
             else:
                 result = client.generate(args.prompt, **options)
                 print(result.text)
+            if args.logprobs is not None:
+                _print_logprobs(result)
     except (LoraplexError, ValueError) as exc:
         print(f"loraplex generate: error: {exc}", file=sys.stderr)
         return 1

@@ -34,14 +34,23 @@ def test_completion_request_defaults_and_prompt_shapes():
     assert parse_completion({"prompt": "x", "stop": ["a", "b"]}).sampling.stop == ("a", "b")
     req = parse_completion({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
     assert req.stream and req.include_usage
+    req = parse_completion({"prompt": "x", "logprobs": 3, "presence_penalty": 0.5, "frequency_penalty": -1,
+                            "repetition_penalty": 1.1, "logit_bias": {"5": -100}, "min_tokens": 2, "echo": False})
+    s = req.sampling
+    assert (s.logprobs, s.top_logprobs, s.presence_penalty, s.frequency_penalty, s.repetition_penalty,
+            s.min_tokens) == (True, 3, 0.5, -1.0, 1.1, 2)
+    assert s.client_kwargs()["logit_bias"] == {"5": -100} and not req.echo
+    assert parse_completion({"prompt": "x", "echo": True}).echo
 
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "logit_bias": [1]}, "logit_bias"),
+    ({"prompt": "x", "presence_penalty": "high"}, "presence_penalty"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "stop": 3}, "stop"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -67,11 +76,15 @@ def test_chat_request_flattens_text_parts_and_refuses_the_rest():
     ], "max_completion_tokens": 9, "logprobs": True})
     assert [m["content"] for m in req.messages] == ["be brief", "a\nb", ""]
     assert req.sampling.max_tokens == 9 and req.sampling.logprobs and req.add_generation_prompt
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                       "top_logprobs": 4}).sampling.top_logprobs == 4
     # Without max_tokens a chat fills what the context leaves (vLLM), which only the daemon knows.
     assert parse_chat({"messages": [{"role": "user", "content": "x"}]}).sampling.max_tokens is None
     for bad in ({"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
                 {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                 {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+                {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+                {"messages": [{"role": "user", "content": "x"}], "echo": True},
                 {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
                 {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}):
         with pytest.raises(ApiError):

@@ -15,6 +15,10 @@ from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.messages.checks import InInterval, InRange, Length, TokenIds
 from loraplex.ipc.protocol import (
     PROTOCOL_VERSION,
+    DetokenizedReply,
+    DetokenizeRequest,
+    TokenizedReply,
+    TokenizeRequest,
     TopLogprobs,
     AdaptersReply,
     AddAdapterRequest,
@@ -133,6 +137,10 @@ SAMPLES: list[Message] = [
         deadline_ms=30_000.0,
     ),
     CancelRequest(request_id="req-7f3a"),
+    TokenizeRequest(request_id="t1", prompt="héllo"),
+    DetokenizeRequest(request_id="t2", token_ids=[1, 15043]),
+    TokenizedReply(request_id="t1", token_ids=[1, 15043], max_model_len=4096),
+    DetokenizedReply(request_id="t2", text="<s> hello"),
     ListAdaptersRequest(request_id="l1"),
     StatsRequest(request_id="s1"),
     PingRequest(request_id="p1"),

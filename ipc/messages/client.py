@@ -1,7 +1,7 @@
 """Requests a client sends to the daemon's client socket.
 
-Owns the declarations (each field with its rules) of generate, cancel, adapters,
-stats and ping. Sampling defaults follow vLLM's SamplingParams so users get the
+Owns the declarations (each field with its rules) of generate, tokenize,
+detokenize, cancel, adapters, stats and ping. Sampling defaults follow vLLM's SamplingParams so users get the
 behaviour they expect. Never holds serving logic (vocabulary size, context
 length, adapter existence are the daemon's checks, not the protocol's).
 """
@@ -104,6 +104,29 @@ class GenerateRequest(Message):
     def bias_lists(self) -> tuple[list[int], list[float]]:
         """logit_bias as (token ids, biases)."""
         return [int(k) for k in self.logit_bias], list(self.logit_bias.values())
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class TokenizeRequest(Message):
+    """The model's token ids for `prompt` (the tokenizer the daemon prompts with),
+    answered by `tokenized`. The daemon bounds the text as it bounds prompts."""
+
+    TYPE = "tokenize"
+
+    request_id: RequestId
+    prompt: str
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class DetokenizeRequest(Message):
+    """The text of `token_ids` (special tokens kept), answered by `detokenized`."""
+
+    TYPE = "detokenize"
+
+    request_id: RequestId
+    token_ids: Annotated[list[int], TokenIds(0, MAX_PROMPT_TOKEN_IDS)]
 
 
 @register

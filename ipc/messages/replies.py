@@ -1,6 +1,6 @@
 """Replies the daemon sends on the client socket (and, for stats, on PUB).
 
-Owns token/done/error/adapter_list/stats_snapshot/pong and their rules,
+Owns token/done/tokenized/detokenized/error/adapter_list/stats_snapshot/pong and their rules,
 plus the conversions between error replies and exceptions. Never decides
 what a reply should say; the daemon does.
 """
@@ -115,6 +115,29 @@ class DoneReply(Message):
                 raise invalid(f"timings.{key}: must be >= 0, got {value}")
             elif key in required and not isinstance(value, float):
                 raise invalid(f"timings.{key}: must be a number of milliseconds, got {value!r}")
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class TokenizedReply(Message):
+    """The answer to `tokenize`; max_model_len: the context the daemon serves."""
+
+    TYPE = "tokenized"
+
+    request_id: RequestId
+    token_ids: Annotated[list[int], TokenIds(0, MAX_COMPLETION_TOKEN_IDS)]
+    max_model_len: Annotated[int, AtLeast(0)] = 0
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class DetokenizedReply(Message):
+    """The answer to `detokenize`."""
+
+    TYPE = "detokenized"
+
+    request_id: RequestId
+    text: str
 
 
 @register
