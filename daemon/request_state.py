@@ -34,6 +34,7 @@ class ClientRequest:
     engine_retries: int = 0  # times this request was recomputed after its engine died
     engine: int = 0  # index of the engine replica serving it
     migrations: int = 0  # times it moved to another engine (co-migration)
+    choice: int = 0  # which of its request's n completions
     cached_tokens: int = 0  # prompt tokens whose KV was reused rather than computed (no prefix cache yet: 0)
 
     @property
@@ -61,7 +62,8 @@ class ClientRequest:
         wants_logprobs = (self.msg.logprobs or self.msg.top_logprobs > 0) and logprob is not None
         top = [self._alternatives(row)] if self.msg.top_logprobs > 0 else None
         chunk = TokenChunk(request_id=self.request_id, token_ids=[token_id], text=piece,
-                           logprobs=[logprob] if wants_logprobs else None, index=index, top_logprobs=top)
+                           logprobs=[logprob] if wants_logprobs else None, index=index, top_logprobs=top,
+                           choice=self.choice)
         return chunk, stopped
 
     def _alternatives(self, row: RowResult) -> TopLogprobs:

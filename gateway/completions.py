@@ -120,9 +120,12 @@ async def _generate(request: web.Request, state: GatewayState, out: Outcome, fmt
     out.model = model
     envelope = Envelope.new(fmt, model)
     try:
+        if echoes and sampling.n > 1:  # one per choice
+            echoes = [text for text in echoes for _ in range(sampling.n)]
+        choices = len(prompts) * sampling.n
         if stream:
-            return await _stream(request, job, envelope, len(prompts), sampling.logprobs, include_usage, out, echoes)
-        return await _collect(job, envelope, len(prompts), sampling.logprobs, echoes)
+            return await _stream(request, job, envelope, choices, sampling.logprobs, include_usage, out, echoes)
+        return await _collect(job, envelope, choices, sampling.logprobs, echoes)
     finally:
         # Shielded: a disconnect cancels this handler, but the daemon must still hear the cancels.
         closing = asyncio.ensure_future(job.close())
@@ -141,11 +144,10 @@ async def _collect(job: Job, env: Envelope, n: int, logprobs: bool, echoes: list
                                          chunk.token_ids)
     except LoraplexError as exc:
         raise from_daemon(exc, job.model) from None
-    results = job.results
-    choices = [env.fmt.choice(i, (echoes[i] if echoes else "") + r.text, r.finish_reason,
+    choices = [env.fmt.choice(i, (echoes[i] if echoes else "") + c.text, c.finish_reason,
                               tokens[i] if tokens is not None else None)
-               for i, r in enumerate(results)]
-    return web.json_response(env.body(choices, _usage(results)))
+               for i, c in enumerate(job.choices)]
+    return web.json_response(env.body(choices, _usage(job.results)))
 
 
 async def _stream(request: web.Request, job: Job, env: Envelope, n: int, logprobs: bool, include_usage: bool,
@@ -177,11 +179,10 @@ async def _stream(request: web.Request, job: Job, env: Envelope, n: int, logprob
                     await send(env.chunk([env.fmt.delta(index, chunk.text, tokens, offsets[index])],
                                          with_usage_key=include_usage))
                     offsets[index] += len(chunk.text)
-            results = job.results
-            for i, result in enumerate(results):
-                await send(env.chunk([env.fmt.closing(i, result.finish_reason)], with_usage_key=include_usage))
+            for i, choice in enumerate(job.choices):
+                await send(env.chunk([env.fmt.closing(i, choice.finish_reason)], with_usage_key=include_usage))
             if include_usage:
-                await send(env.chunk([], _usage(results)))
+                await send(env.chunk([], _usage(job.results)))
         except LoraplexError as exc:
             error = from_daemon(exc, job.model)
             out.outcome = error.code or "error"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.gateway.errors import bad_request
-from loraplex.ipc.protocol import MAX_NEW_TOKENS
+from loraplex.ipc.protocol import MAX_CHOICES, MAX_NEW_TOKENS
 
 Prompt = str | list[int]
 # Completions default (as OpenAI and vLLM). Chat without max_tokens (or max_completion_tokens)
@@ -49,6 +49,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[str, object], ...] = ()  # as the body gave it
     min_tokens: int = 0
+    n: int = 1  # choices per prompt
 
     def client_kwargs(self) -> dict[str, object]:
         """Keyword arguments for AsyncClient.stream."""
@@ -58,7 +59,7 @@ class Sampling:
                 "logprobs": self.logprobs, "priority": self.priority, "top_logprobs": self.top_logprobs,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": self.repetition_penalty, "logit_bias": dict(self.logit_bias),
-                "min_tokens": self.min_tokens}
+                "min_tokens": self.min_tokens, "n": self.n}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +92,13 @@ def parse_completion(body: object) -> CompletionRequest:
         raise bad_request("echo with logprobs needs the prompt's logprobs, which loraplex does not compute",
                           "echo", "unsupported_value")
     stream, include_usage = _stream(b)
-    return CompletionRequest(
-        model=_model(b), prompts=_prompts(b.get("prompt")), stream=stream, include_usage=include_usage, echo=echo,
-        sampling=_sampling(b, _opt_int(b, "max_tokens", 1, MAX_NEW_TOKENS) or COMPLETIONS_DEFAULT_MAX_TOKENS,
-                           logprobs=logprobs is not None, top_logprobs=logprobs or 0),
-    )
+    prompts = _prompts(b.get("prompt"))
+    sampling = _sampling(b, _opt_int(b, "max_tokens", 1, MAX_NEW_TOKENS) or COMPLETIONS_DEFAULT_MAX_TOKENS,
+                         logprobs=logprobs is not None, top_logprobs=logprobs or 0)
+    if len(prompts) * sampling.n > MAX_PROMPTS_PER_REQUEST:
+        raise bad_request(f"prompts times n must be at most {MAX_PROMPTS_PER_REQUEST}", "n")
+    return CompletionRequest(model=_model(b), prompts=prompts, stream=stream, include_usage=include_usage, echo=echo,
+                             sampling=sampling)
 
 
 def parse_chat(body: object) -> ChatRequest:
@@ -163,11 +166,6 @@ def _object(body: object) -> dict[str, Any]:
 
 
 def _refuse_unsupported(b: Mapping[str, Any]) -> None:
-    n = b.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise bad_request(f"n must be a positive integer, got {n!r}", "n")
-    if n is not None and n > 1:
-        raise bad_request("only n=1 is supported", "n", "unsupported_value")
     for name, neutral in _NEUTRAL.items():
         value = b.get(name)
         if value is not None and value != neutral and value not in ({}, []):
@@ -217,6 +215,7 @@ def _sampling(b: Mapping[str, Any], max_tokens: int | None, *, logprobs: bool, t
         repetition_penalty=_or(_opt_float(b, "repetition_penalty"), 1.0),
         logit_bias=_logit_bias(b.get("logit_bias")),
         min_tokens=_opt_int(b, "min_tokens", 0, MAX_NEW_TOKENS) or 0,
+        n=_opt_int(b, "n", 1, MAX_CHOICES) or 1,
     )
 
 

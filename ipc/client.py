@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from loraplex.ipc.client_async import AsyncAdminClient, AsyncClient, AsyncStream
 from loraplex.ipc.client_sync import AdminClient, Client, Stream
-from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk, Tokenized, new_request_id
+from loraplex.ipc.client_types import AdapterInfo, Choice, GenerateResult, Liveness, StreamChunk, Tokenized, new_request_id
 from loraplex.ipc.errors import ErrorCode, LoraplexError
 from loraplex.ipc.protocol import TopLogprobs
 
@@ -29,6 +29,7 @@ __all__ = [
     "AsyncAdminClient",
     "AsyncClient",
     "AsyncStream",
+    "Choice",
     "Client",
     "ErrorCode",
     "GenerateResult",

@@ -377,7 +377,7 @@ class AsyncClient(_AsyncBase):
         ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
         timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
         presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0,
+        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
     ) -> GenerateResult:
         """As Client.generate. Cancelling the awaiting task cancels the request."""
         request = generate_request(
@@ -385,7 +385,7 @@ class AsyncClient(_AsyncBase):
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=False,
             top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n,
         )
         stream = AsyncStream(self, request, timeout)
         async for _ in stream:
@@ -403,7 +403,7 @@ class AsyncClient(_AsyncBase):
         ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
         timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
         presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0,
+        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
     ) -> AsyncStream:
         """As Client.stream, but an AsyncStream: `async for chunk in client.stream(...)`."""
         request = generate_request(
@@ -411,7 +411,7 @@ class AsyncClient(_AsyncBase):
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=True,
             top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n,
         )
         return AsyncStream(self, request, timeout)
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar, Union
 
-from loraplex.ipc.client_types import AdapterInfo, GenerateResult, StreamChunk, Tokenized, new_request_id
+from loraplex.ipc.client_types import AdapterInfo, Choice, GenerateResult, StreamChunk, Tokenized, new_request_id
 from loraplex.ipc.errors import ErrorCode, LoraplexError
 from loraplex.ipc.protocol import (
     DetokenizedReply,
@@ -170,6 +170,7 @@ def generate_request(
     repetition_penalty: float = 1.0,
     logit_bias: Mapping[int, float] | None = None,
     min_tokens: int = 0,
+    n: int = 1,
 ) -> GenerateRequest:
     """The validated `generate` message for the client methods' arguments.
 
@@ -207,6 +208,7 @@ def generate_request(
         repetition_penalty=repetition_penalty,
         logit_bias=_bias_map(logit_bias),
         min_tokens=min_tokens,
+        n=n,
         priority=priority,
         slo_ttft_ms=slo_ttft_ms,
         deadline_ms=deadline_ms,
@@ -233,8 +235,16 @@ class StreamAssembler:
         self.request_id = request.request_id
         self.result: GenerateResult | None = None
         want_logprobs = request.logprobs or request.top_logprobs > 0
-        self._logprobs: list[float] | None = [] if want_logprobs else None
-        self._top: list[TopLogprobs] | None = [] if request.top_logprobs > 0 else None
+        # Per choice, from the token chunks (the done reply carries neither).
+        self._logprobs: list[list[float]] | None = [[] for _ in range(request.n)] if want_logprobs else None
+        self._top: list[list[TopLogprobs]] | None = [[] for _ in range(request.n)] \
+            if request.top_logprobs > 0 else None
+
+    def _choice_logprobs(self, index: int) -> list[float] | None:
+        return self._logprobs[index] if self._logprobs is not None and index < len(self._logprobs) else None
+
+    def _choice_top(self, index: int) -> list[TopLogprobs] | None:
+        return self._top[index] if self._top is not None and index < len(self._top) else None
 
     def finished_result(self) -> GenerateResult:
         if self.result is None:
@@ -245,12 +255,12 @@ class StreamAssembler:
         """The chunk in `item`; None once `item` finished the request (see
         `.result`); raises LoraplexError for an error reply or local failure."""
         if isinstance(item, TokenChunk):
-            if self._logprobs is not None and item.logprobs is not None:
-                self._logprobs.extend(item.logprobs)
-            if self._top is not None and item.top_logprobs is not None:
-                self._top.extend(item.top_logprobs)
+            if self._logprobs is not None and item.logprobs is not None and item.choice < len(self._logprobs):
+                self._logprobs[item.choice].extend(item.logprobs)
+            if self._top is not None and item.top_logprobs is not None and item.choice < len(self._top):
+                self._top[item.choice].extend(item.top_logprobs)
             return StreamChunk(item.request_id, item.token_ids, item.text, item.index, item.logprobs,
-                               item.top_logprobs)
+                               item.top_logprobs, item.choice)
         done = expect(item, DoneReply, self.request_id)
         self.result = GenerateResult(
             request_id=done.request_id,
@@ -259,7 +269,12 @@ class StreamAssembler:
             finish_reason=done.finish_reason,
             usage=dict(done.usage),
             timings=dict(done.timings),
-            logprobs=self._logprobs,
-            top_logprobs=self._top,
+            logprobs=self._choice_logprobs(0),
+            top_logprobs=self._choice_top(0),
+            choices=[Choice(c.index, c.text, list(c.token_ids), c.finish_reason, self._choice_logprobs(c.index),
+                            self._choice_top(c.index)) for c in done.choices]
+            if done.choices is not None else
+            [Choice(0, done.text, list(done.token_ids), done.finish_reason, self._choice_logprobs(0),
+                    self._choice_top(0))],
         )
         return None

@@ -390,11 +390,14 @@ class Client(_SyncBase):
         ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
         timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
         presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0,
+        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
     ) -> GenerateResult:
         """Generate a completion of `prompt` (text or token ids) with `adapter`
         (None: the base model) and wait for it.
 
+        top_logprobs, presence_penalty, frequency_penalty, repetition_penalty,
+        logit_bias (token id -> bias) and min_tokens act as in vLLM (GenerateRequest);
+        n > 1 asks for n completions of the prompt (GenerateResult.choices).
         max_tokens: new tokens at most; None fills what the context leaves after
         the prompt. A prompt plus max_tokens longer than the model's context
         fails at once with LoraplexError(context_length_exceeded), as vLLM's 400.
@@ -410,7 +413,7 @@ class Client(_SyncBase):
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=False,
             top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n,
         )
         stream = Stream(self, request, timeout)
         with stream:
@@ -429,7 +432,7 @@ class Client(_SyncBase):
         ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
         timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
         presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0,
+        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
     ) -> Stream:
         """As generate(), but returns at once with a Stream of chunks; the
         request is sent before this returns. See Stream for the end convention."""
@@ -438,7 +441,7 @@ class Client(_SyncBase):
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=True,
             top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n,
         )
         return Stream(self, request, timeout)
 

@@ -32,6 +32,7 @@ class StreamChunk:
     index: int
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
+    choice: int = 0  # which of the request's n completions
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,18 @@ class Tokenized:
 
 
 @dataclass(frozen=True, slots=True)
+class Choice:
+    """One of the n completions of a generate; logprobs/top_logprobs as in GenerateResult."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateResult:
     """A finished generate, from the daemon's `done` reply.
 
@@ -51,7 +64,9 @@ class GenerateResult:
     timings: milliseconds queue_ms, e2e_ms (always), ttft_ms, tpt_ms (once a
     token was produced) and adapter_path ("base", "cached", "loaded" or
     "cpu_assisted"). logprobs: one per completion token when requested, else None;
-    top_logprobs: likewise, each the alternatives at that position.
+    top_logprobs: likewise, each the alternatives at that position. choices: every
+    completion when n > 1 (text, token_ids, finish_reason and the logprobs above are
+    choice 0's; usage counts all of them); the one choice otherwise.
     """
 
     request_id: str
@@ -62,6 +77,7 @@ class GenerateResult:
     timings: dict[str, float | str]
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
+    choices: list[Choice] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from loraplex.ipc.messages.base import (
 from loraplex.ipc.messages.cache import CacheHello, CacheStoreFull
 from loraplex.ipc.messages.checks import MAX_PATH_LEN, MAX_REQUEST_ID_LEN, MAX_TOKEN_ID, is_valid_request_id
 from loraplex.ipc.messages.client import (
+    MAX_CHOICES,
     MAX_DEADLINE_MS,
     MAX_NEW_TOKENS,
     MAX_PROMPT_TOKEN_IDS,
@@ -74,6 +75,7 @@ from loraplex.ipc.messages.replies import (
     MAX_ERROR_MESSAGE_LEN,
     MAX_TOKEN_TEXT_LEN,
     AdaptersReply,
+    ChoiceOutcome,
     DetokenizedReply,
     DoneReply,
     ErrorReply,
@@ -132,6 +134,7 @@ __all__ = [
     "ADMIN_REQUESTS",
     "CLIENT_REQUESTS",
     "FINISH_REASONS",
+    "MAX_CHOICES",
     "MAX_DEADLINE_MS",
     "MAX_DRAIN_TIMEOUT_S",
     "MAX_ERROR_MESSAGE_LEN",
@@ -152,6 +155,7 @@ __all__ = [
     "AddAdapterRequest",
     "AdminOkReply",
     "CancelRequest",
+    "ChoiceOutcome",
     "DetokenizeRequest",
     "DetokenizedReply",
     "DoneReply",

@@ -234,6 +234,7 @@ def _configure_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 disables it (vLLM)")
     parser.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                         help="add BIAS in [-100, 100] to token ID's logit (repeatable)")
+    parser.add_argument("--n", type=int, default=1, help="completions of the prompt (each printed in turn)")
     parser.add_argument("--logprobs", type=int, default=None, metavar="N",
                         help="print each token's logprob and its N most likely alternatives (0..20)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
@@ -253,7 +254,7 @@ def _logit_bias(pairs: list[str]) -> dict[int, float]:
 
 
 def _print_logprobs(result) -> None:
-    """One line per completion token: its id and logprob, then its alternatives."""
+    """One line per completion token of a choice: its id and logprob, then its alternatives."""
     tops = result.top_logprobs or [None] * len(result.token_ids)
     for token, lp, top in zip(result.token_ids, result.logprobs or [], tops):
         alternatives = "" if top is None else "  " + "  ".join(
@@ -270,19 +271,24 @@ def _run_generate(args: argparse.Namespace) -> int:
                        ignore_eos=args.ignore_eos, timeout=args.timeout, min_tokens=args.min_tokens,
                        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                        repetition_penalty=args.repetition_penalty, logit_bias=_logit_bias(args.logit_bias),
-                       logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0)
+                       logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0, n=args.n)
         with _client(args) as client:
             if args.stream:
                 stream = client.stream(args.prompt, **options)
                 for chunk in stream:
-                    print(chunk.text, end="", flush=True)
+                    if chunk.choice == 0:  # the others are printed once they are complete
+                        print(chunk.text, end="", flush=True)
                 print()
                 result = stream.finished_result()
             else:
                 result = client.generate(args.prompt, **options)
                 print(result.text)
-            if args.logprobs is not None:
-                _print_logprobs(result)
+            for choice in result.choices:
+                if choice.index:
+                    print(f"--- choice {choice.index} [{choice.finish_reason}]")
+                    print(choice.text)
+                if args.logprobs is not None:
+                    _print_logprobs(choice)
     except (LoraplexError, ValueError) as exc:
         print(f"loraplex generate: error: {exc}", file=sys.stderr)
         return 1

@@ -41,10 +41,12 @@ def test_completion_request_defaults_and_prompt_shapes():
             s.min_tokens) == (True, 3, 0.5, -1.0, 1.1, 2)
     assert s.client_kwargs()["logit_bias"] == {"5": -100} and not req.echo
     assert parse_completion({"prompt": "x", "echo": True}).echo
+    assert parse_completion({"prompt": "x", "n": 3}).sampling.client_kwargs()["n"] == 3
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 129}, "n"),
+    ({"prompt": ["a", "b"], "n": 100}, "n"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),

@@ -15,6 +15,7 @@ from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.messages.checks import InInterval, InRange, Length, TokenIds
 from loraplex.ipc.protocol import (
     PROTOCOL_VERSION,
+    ChoiceOutcome,
     DetokenizedReply,
     DetokenizeRequest,
     TokenizedReply,
@@ -132,6 +133,7 @@ SAMPLES: list[Message] = [
         repetition_penalty=1.2,
         logit_bias={"13": -100.0, "450": 2.5},
         min_tokens=3,
+        n=2,
         priority=-3,
         slo_ttft_ms=250.0,
         deadline_ms=30_000.0,
@@ -146,7 +148,8 @@ SAMPLES: list[Message] = [
     PingRequest(request_id="p1"),
     TokenChunk(request_id="req-7f3a", token_ids=[450, 4996], text=" the cat", logprobs=[-0.25, -1.5], index=12,
                top_logprobs=[TopLogprobs(token_ids=[450, 7], logprobs=[-0.25, -2.0], texts=[" the", "a"]),
-                             TopLogprobs(token_ids=[4996, 9], logprobs=[-1.5, -1.75], texts=[" cat", " dog"])]),
+                             TopLogprobs(token_ids=[4996, 9], logprobs=[-1.5, -1.75], texts=[" cat", " dog"])],
+               choice=1),
     DoneReply(
         request_id="req-7f3a",
         finish_reason="length",
@@ -154,6 +157,8 @@ SAMPLES: list[Message] = [
         timings=TIMINGS,
         token_ids=[450, 4996],
         text=" the cat",
+        choices=[ChoiceOutcome(index=0, finish_reason="length", token_ids=[450, 4996], text=" the cat"),
+                 ChoiceOutcome(index=1, finish_reason="stop", token_ids=[2], text="")],
     ),
     ErrorReply(request_id="req-7f3a", code="unknown_adapter", message="no adapter named 'x'"),
     AdaptersReply(

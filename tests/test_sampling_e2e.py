@@ -136,3 +136,66 @@ def test_gateway_tokenize_detokenize_version(gateway):
 
     with urllib.request.urlopen(f"{gateway.url}/version", timeout=30) as response:
         assert json.loads(response.read())["version"]
+
+
+def test_n_choices_through_the_client(daemon):
+    with daemon.client() as client:
+        seeded = [client.generate("The river", n=3, seed=11, temperature=1.0, max_tokens=10, ignore_eos=True,
+                                  logprobs=True) for _ in range(2)]
+        first, again = seeded
+        assert [c.index for c in first.choices] == [0, 1, 2]
+        assert [c.token_ids for c in first.choices] == [c.token_ids for c in again.choices]  # reproducible
+        assert len({tuple(c.token_ids) for c in first.choices}) == 3  # siblings sample with distinct seeds
+        assert first.text == first.choices[0].text and first.token_ids == first.choices[0].token_ids
+        assert first.usage["completion_tokens"] == 30 and first.usage["prompt_tokens"] > 0
+        assert all(len(c.logprobs) == 10 for c in first.choices)
+        alone = client.generate("The river", seed=12, temperature=1.0, max_tokens=10, ignore_eos=True)
+        assert alone.token_ids == first.choices[1].token_ids  # choice i samples with seed + i
+        greedy = client.generate([5, 6, 7], n=2, adapter="qv-r8", **GREEDY)
+        assert greedy.choices[0].token_ids == greedy.choices[1].token_ids
+        stream = client.stream([5, 6, 7], n=4, max_tokens=6, ignore_eos=True, temperature=1.0)
+        counts = [0] * 4
+        for chunk in stream:
+            counts[chunk.choice] += len(chunk.token_ids)
+        assert counts == [6] * 4 and stream.result.usage["completion_tokens"] == 24
+        # Cancelling ends every choice with one reply.
+        stream = client.stream([5, 6, 7], n=3, max_tokens=4000, ignore_eos=True, temperature=1.0,
+                               request_id="many-choices")
+        next(iter(stream))
+        client.cancel("many-choices")
+        list(stream)
+        assert stream.result.finish_reason == "cancelled"
+        assert [c.finish_reason for c in stream.result.choices] == ["cancelled"] * 3
+        assert client.generate("x", n=2, max_tokens=2).choices[1].index == 1  # nothing left in flight
+        with pytest.raises(ValueError):
+            client.generate("x", n=129, max_tokens=2)
+
+
+def test_n_choices_through_the_gateway(oai, daemon, capsys):
+    for model in (BASE, "all-r32"):
+        done = oai.completions.create(model=model, prompt="The river", n=2, max_tokens=6, temperature=1.0, seed=3,
+                                      extra_body={"ignore_eos": True})
+        assert [c.index for c in done.choices] == [0, 1] and done.usage.completion_tokens == 12
+        assert done.choices[0].text != done.choices[1].text
+        chat = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=2,
+                                           max_tokens=5, temperature=1.0, seed=3, logprobs=True, top_logprobs=3,
+                                           extra_body={"ignore_eos": True})
+        assert [c.index for c in chat.choices] == [0, 1]
+        assert all(len(c.logprobs.content) == 5 and all(len(t.top_logprobs) == 3 for t in c.logprobs.content)
+                   for c in chat.choices)
+    batch = oai.completions.create(model=BASE, prompt=["a river", "the sea"], n=2, max_tokens=4, temperature=0.0,
+                                   extra_body={"ignore_eos": True})
+    single = [oai.completions.create(model=BASE, prompt=p, max_tokens=4, temperature=0.0,
+                                     extra_body={"ignore_eos": True}).choices[0].text for p in ("a river", "the sea")]
+    assert [c.text for c in batch.choices] == [single[0], single[0], single[1], single[1]]
+    texts = ["", "", "", ""]
+    for chunk in oai.completions.create(model=BASE, prompt=["a river", "the sea"], n=2, max_tokens=4, stream=True,
+                                        temperature=0.0, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in batch.choices]
+    argv = ["generate", "--runtime-dir", str(daemon.runtime_dir), "--max-tokens", "3", "--ignore-eos", "--n", "2",
+            "--temperature", "1", "--seed", "5", "--logprobs", "0", "Once upon"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "--- choice 1 [length]" in out and len([line for line in out.splitlines() if "\t" in line]) == 6

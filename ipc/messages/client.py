@@ -41,6 +41,7 @@ MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_SLO_TTFT_MS = 3_600_000.0
 MAX_DEADLINE_MS = 86_400_000.0
+MAX_CHOICES = 128  # n, as OpenAI bounds it
 
 
 @register
@@ -58,6 +59,9 @@ class GenerateRequest(Message):
     presence_penalty, frequency_penalty, repetition_penalty, logit_bias (token
     id as a decimal string -> bias) and min_tokens as vLLM's SamplingParams;
     ipc.engine_plan.SamplingSpec says how they act on the logits.
+    n: completions of the one prompt (OpenAI's n): each streams its tokens with
+    its `choice` index, and one `done` ends them all. With a seed, choice i
+    samples with seed + i, so the choices differ and each is reproducible.
     priority: lower values are served earlier (vLLM's convention).
     slo_ttft_ms: the time-to-first-token target admission control may use.
     deadline_ms: give up (code `timeout`) this long after the daemon received
@@ -88,6 +92,7 @@ class GenerateRequest(Message):
     logit_bias: Annotated[dict[str, Annotated[float, InInterval(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)]],
                           Length(0, MAX_LOGIT_BIAS_ENTRIES)] = field(default_factory=dict)
     min_tokens: Annotated[int, InRange(0, MAX_NEW_TOKENS)] = 0
+    n: Annotated[int, InRange(1, MAX_CHOICES)] = 1
     priority: Annotated[int, InRange(INT32_MIN, INT32_MAX)] = 0
     slo_ttft_ms: Annotated[float, InInterval(0.0, MAX_SLO_TTFT_MS, lo_open=True)] | None = None
     deadline_ms: Annotated[float, InInterval(0.0, MAX_DEADLINE_MS, lo_open=True)] | None = None

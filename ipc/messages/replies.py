@@ -70,12 +70,23 @@ class TokenChunk(Message):
     logprobs: list[float] | None = None
     index: Annotated[int, AtLeast(0)] = 0
     top_logprobs: list[TopLogprobs] | None = None
+    choice: Annotated[int, AtLeast(0)] = 0  # which of the request's n completions
 
     def validate(self) -> None:
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
             raise invalid(f"logprobs: {len(self.logprobs)} entries for {len(self.token_ids)} token ids")
         if self.top_logprobs is not None and len(self.top_logprobs) != len(self.token_ids):
             raise invalid(f"top_logprobs: {len(self.top_logprobs)} entries for {len(self.token_ids)} token ids")
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceOutcome:
+    """How one of a request's n completions ended."""
+
+    index: Annotated[int, AtLeast(0)]
+    finish_reason: FinishReason
+    token_ids: Annotated[list[int], TokenIds(0, MAX_COMPLETION_TOKEN_IDS)]
+    text: str
 
 
 @register
@@ -88,6 +99,8 @@ class DoneReply(Message):
     timings: at least queue_ms, e2e_ms and adapter_path (one of
     ADAPTER_PATHS); ttft_ms and tpt_ms too once a token was produced. Numeric
     timings are milliseconds >= 0; extra keys are allowed.
+    choices: with n > 1, every completion in index order (the top-level
+    finish_reason, token_ids and text are choice 0's; usage counts them all).
     """
 
     TYPE = "done"
@@ -98,8 +111,11 @@ class DoneReply(Message):
     timings: dict[str, float | str]
     token_ids: Annotated[list[int], TokenIds(0, MAX_COMPLETION_TOKEN_IDS)] = field(default_factory=list)
     text: str = ""
+    choices: list[ChoiceOutcome] | None = None
 
     def validate(self) -> None:
+        if self.choices is not None and [c.index for c in self.choices] != list(range(len(self.choices))):
+            raise invalid("choices: indices must be 0..n-1 in order")
         for key in ("prompt_tokens", "completion_tokens"):
             if key not in self.usage:
                 raise invalid(f"usage: missing {key!r}")
