@@ -178,7 +178,8 @@ def _sequence_request(key: str, msg: GenerateRequest, ids: list[int], max_tokens
                               repetition_penalty=msg.repetition_penalty, logit_bias_ids=bias_ids,
                               logit_bias_values=bias_values, min_tokens=msg.min_tokens,
                               stop_token_ids=list(msg.stop_token_ids) if msg.min_tokens else [],
-                              ignore_eos=msg.ignore_eos),
+                              ignore_eos=msg.ignore_eos, guided_kind=msg.guided_kind or "",
+                              guided_spec=msg.guided_spec),
         max_tokens=max_tokens, stop_token_ids=frozenset(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         ttft_slo_s=None if msg.slo_ttft_ms is None else msg.slo_ttft_ms / 1e3,
     )

@@ -113,6 +113,9 @@ class RequestTable(Mapping[str, ClientRequest]):
             state = self._requests.get(row.request_id)
             if state is None:
                 continue
+            if row.error:
+                await self.fail(row.request_id, ErrorCode.INVALID_FIELD, row.error)
+                continue
             if state.first_token_at is None:
                 state.first_step_engine_ms = result.forward_ms + result.sample_ms
             chunk, stopped = state.on_token(row)

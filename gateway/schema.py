@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.gateway.errors import bad_request
+from loraplex.ipc.guided import Guided
 from loraplex.ipc.protocol import MAX_CHOICES, MAX_NEW_TOKENS
 
 Prompt = str | list[int]
@@ -50,6 +51,7 @@ class Sampling:
     logit_bias: tuple[tuple[str, object], ...] = ()  # as the body gave it
     min_tokens: int = 0
     n: int = 1  # choices per prompt
+    guided: Guided | None = None  # structured output
 
     def client_kwargs(self) -> dict[str, object]:
         """Keyword arguments for AsyncClient.stream."""
@@ -59,7 +61,7 @@ class Sampling:
                 "logprobs": self.logprobs, "priority": self.priority, "top_logprobs": self.top_logprobs,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": self.repetition_penalty, "logit_bias": dict(self.logit_bias),
-                "min_tokens": self.min_tokens, "n": self.n}
+                "min_tokens": self.min_tokens, "n": self.n, "guided": self.guided}
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +112,6 @@ def parse_chat(body: object) -> ChatRequest:
     top = _opt_int(b, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
     if top and not logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-    if b.get("response_format") not in (None, {"type": "text"}):
-        raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
-                          "unsupported_value")
     if b.get("tool_choice") not in (None, "none"):
         raise bad_request("tool calling is not supported", "tool_choice", "unsupported_value")
     max_tokens = _opt_int(b, "max_completion_tokens", 1, MAX_NEW_TOKENS)
@@ -216,7 +215,49 @@ def _sampling(b: Mapping[str, Any], max_tokens: int | None, *, logprobs: bool, t
         logit_bias=_logit_bias(b.get("logit_bias")),
         min_tokens=_opt_int(b, "min_tokens", 0, MAX_NEW_TOKENS) or 0,
         n=_opt_int(b, "n", 1, MAX_CHOICES) or 1,
+        guided=_guided(b),
     )
+
+
+def _guided(b: Mapping[str, Any]) -> Guided | None:
+    """OpenAI's response_format, or vLLM's guided_json / guided_regex / guided_choice (at most one)."""
+    given = [name for name in ("response_format", "guided_json", "guided_regex", "guided_choice")
+             if b.get(name) is not None and b.get(name) != {"type": "text"}]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"give at most one of {', '.join(given)}", given[1])
+    name = given[0]
+    value = b[name]
+    try:
+        if name == "guided_json":
+            if not isinstance(value, (dict, str)):
+                raise ValueError("guided_json must be a JSON schema (an object, or its text)")
+            return Guided.json(value)
+        if name == "guided_regex":
+            if not isinstance(value, str):
+                raise ValueError("guided_regex must be a string")
+            return Guided.regex(value)
+        if name == "guided_choice":
+            if not isinstance(value, list):
+                raise ValueError("guided_choice must be a list of strings")
+            return Guided.choice(value)
+        return _response_format(value)
+    except ValueError as exc:
+        raise bad_request(str(exc), name) from None
+
+
+def _response_format(value: object) -> Guided:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return Guided.json_object()
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
+        return Guided.json(schema)
+    raise ValueError("response_format type must be text, json_object or json_schema")
 
 
 def _or(value: float | None, default: float) -> float:

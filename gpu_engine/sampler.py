@@ -10,6 +10,8 @@ Rows without these options pay nothing for them.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from loraplex.gpu_engine.sampling_history import SamplingHistory
@@ -47,16 +49,33 @@ class Sampler:
     """Samples one token per sampling row of a step; owns the penalised rows' token history."""
 
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...] = (), *,
-                 history: SamplingHistory | None = None) -> None:
+                 history: SamplingHistory | None = None, tokenizer_json: Path | None = None) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
         self.history = history if history is not None else SamplingHistory()
+        self.tokenizer_json = tokenizer_json  # the vocabulary guided rows are compiled against
+        self._grammars = None  # gpu_engine.grammar.Grammars, built with the first guided row
+
+    @property
+    def grammars(self):
+        """The grammar compiler and matchers (xgrammar is imported only when a row is guided)."""
+        if self._grammars is None:
+            from loraplex.gpu_engine.grammar import GrammarError, Grammars
+
+            if self.tokenizer_json is None or not self.tokenizer_json.is_file():
+                raise GrammarError("structured output needs the model's tokenizer.json")
+            try:
+                self._grammars = Grammars(self.tokenizer_json, self.vocab_size, self.eos_token_ids,
+                                          max_requests=self.history.max_requests)
+            except ImportError:
+                raise GrammarError("structured output needs xgrammar (pip install 'loraplex[engine]')") from None
+        return self._grammars
 
     def sample(self, logits: torch.Tensor, rows: list[RowPlan], sampled: list[RowPlan]) -> list[RowResult]:
         """logits: [len(sampled), vocab] float32 for the `sampled` rows (a subset of `rows`, the step's rows,
         which all feed the history) -> one RowResult per sampled row."""
         for row in rows:
-            if row.sampling.penalised:
+            if row.sampling.needs_history:
                 self.history.feed(row)
         logprobs = torch.log_softmax(logits, dim=-1)
         processed = logits
@@ -65,10 +84,14 @@ class Sampler:
                 if processed is logits:
                     processed = logits.clone()
                 processed[i] = self._process(logits[i], row)
+        errors = self._guide(processed, sampled) if any(r.sampling.guided_kind for r in sampled) else {}
         greedy = torch.argmax(processed, dim=-1).tolist()
         tokens: list[int] = []
         for i, row in enumerate(sampled):
             spec = row.sampling
+            if i in errors:
+                tokens.append(0)  # never used: the row fails
+                continue
             if spec.temperature == 0.0 or spec.top_k == 1:
                 tokens.append(greedy[i])
                 continue
@@ -80,8 +103,34 @@ class Sampler:
         top = self._top(logprobs, sampled)
         return [RowResult(request_id=row.request_id, token_id=t,
                           logprob=lp if row.sampling.logprobs or row.sampling.top_logprobs else None,
-                          top_ids=top[i][0], top_logprobs=top[i][1])
+                          top_ids=top[i][0], top_logprobs=top[i][1], error=errors.get(i, ""))
                 for i, (row, t, lp) in enumerate(zip(sampled, tokens, picked))]
+
+    def _guide(self, processed: torch.Tensor, sampled: list[RowPlan]) -> dict[int, str]:
+        """Mask, in place, what each guided row's grammar forbids; the rows that cannot be sampled, with why."""
+        from loraplex.gpu_engine.grammar import GrammarError
+
+        guided = [i for i, row in enumerate(sampled) if row.sampling.guided_kind]
+        errors: dict[int, str] = {}
+        try:
+            grammars = self.grammars
+        except GrammarError as exc:
+            return {i: str(exc) for i in guided}
+        bitmask = grammars.allocate(len(sampled))
+        masked = []
+        for i in guided:
+            context, out_start = self.history.split(sampled[i])
+            try:
+                grammars.fill(sampled[i], context[out_start:].tolist(), bitmask, i)
+                masked.append(i)
+            except GrammarError as exc:
+                errors[i] = str(exc)
+        if masked:
+            grammars.apply(processed, bitmask, masked)
+            dead = torch.isneginf(processed[masked]).all(dim=-1).tolist()
+            errors.update({i: "no token is allowed: the grammar conflicts with logit_bias or min_tokens"
+                           for i, d in zip(masked, dead) if d})
+        return errors
 
     def _process(self, logits: torch.Tensor, row: RowPlan) -> torch.Tensor:
         """One row's logits [vocab] after bias, min_tokens and penalties (SamplingSpec's order)."""

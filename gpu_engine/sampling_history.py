@@ -1,4 +1,5 @@
-"""The tokens each penalised request has seen, kept by the engine from the plans it runs.
+"""The tokens each request with penalties or a grammar has seen, kept by the engine from the
+plans it runs.
 
 A row feeds `token_ids` at positions `start_pos..`; a row starting at 0 (a new
 request, or one recomputed after preemption or on another engine) starts over,
@@ -29,7 +30,7 @@ class SamplingHistory:
         return len(self._seqs)
 
     def feed(self, row: RowPlan) -> None:
-        """Record the tokens this row feeds (the row's request must be penalised)."""
+        """Record the tokens this row feeds."""
         seq = self._seqs.get(row.request_id)
         if row.start_pos == 0 or seq is None:
             if row.start_pos != 0:

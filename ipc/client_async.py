@@ -38,6 +38,7 @@ from loraplex.ipc.client_core import (
 )
 from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk, Tokenized
 from loraplex.ipc.curve import CurveClientKeys, check_tcp_endpoint
+from loraplex.ipc.guided import Guided
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.protocol import CancelRequest, GenerateRequest, Message, PolicyKind
 from loraplex.ipc.socket_options import SocketLimits
@@ -378,6 +379,7 @@ class AsyncClient(_AsyncBase):
         timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
         presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
+        guided: Guided | None = None,
     ) -> GenerateResult:
         """As Client.generate. Cancelling the awaiting task cancels the request."""
         request = generate_request(
@@ -385,7 +387,7 @@ class AsyncClient(_AsyncBase):
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=False,
             top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n, guided=guided,
         )
         stream = AsyncStream(self, request, timeout)
         async for _ in stream:
@@ -404,6 +406,7 @@ class AsyncClient(_AsyncBase):
         timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
         presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
+        guided: Guided | None = None,
     ) -> AsyncStream:
         """As Client.stream, but an AsyncStream: `async for chunk in client.stream(...)`."""
         request = generate_request(
@@ -411,7 +414,7 @@ class AsyncClient(_AsyncBase):
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=True,
             top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n, guided=guided,
         )
         return AsyncStream(self, request, timeout)
 

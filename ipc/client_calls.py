@@ -14,6 +14,7 @@ from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar, Union
 
 from loraplex.ipc.client_types import AdapterInfo, Choice, GenerateResult, StreamChunk, Tokenized, new_request_id
 from loraplex.ipc.errors import ErrorCode, LoraplexError
+from loraplex.ipc.guided import Guided
 from loraplex.ipc.protocol import (
     DetokenizedReply,
     DetokenizeRequest,
@@ -171,6 +172,7 @@ def generate_request(
     logit_bias: Mapping[int, float] | None = None,
     min_tokens: int = 0,
     n: int = 1,
+    guided: Guided | None = None,
 ) -> GenerateRequest:
     """The validated `generate` message for the client methods' arguments.
 
@@ -209,6 +211,8 @@ def generate_request(
         logit_bias=_bias_map(logit_bias),
         min_tokens=min_tokens,
         n=n,
+        guided_kind=guided.kind if guided is not None else None,
+        guided_spec=guided.spec if guided is not None else "",
         priority=priority,
         slo_ttft_ms=slo_ttft_ms,
         deadline_ms=deadline_ms,

@@ -39,6 +39,7 @@ from loraplex.ipc.client_core import (
 )
 from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk, Tokenized
 from loraplex.ipc.curve import CurveClientKeys
+from loraplex.ipc.guided import Guided
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.protocol import CancelRequest, GenerateRequest, Message, PolicyKind
 from loraplex.ipc.socket_options import SocketLimits
@@ -391,13 +392,15 @@ class Client(_SyncBase):
         timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
         presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
+        guided: Guided | None = None,
     ) -> GenerateResult:
         """Generate a completion of `prompt` (text or token ids) with `adapter`
         (None: the base model) and wait for it.
 
         top_logprobs, presence_penalty, frequency_penalty, repetition_penalty,
         logit_bias (token id -> bias) and min_tokens act as in vLLM (GenerateRequest);
-        n > 1 asks for n completions of the prompt (GenerateResult.choices).
+        n > 1 asks for n completions of the prompt (GenerateResult.choices);
+        guided (Guided.json(schema), .json_object(), .regex(...), .choice([...])) constrains the text.
         max_tokens: new tokens at most; None fills what the context leaves after
         the prompt. A prompt plus max_tokens longer than the model's context
         fails at once with LoraplexError(context_length_exceeded), as vLLM's 400.
@@ -413,7 +416,7 @@ class Client(_SyncBase):
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=False,
             top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n, guided=guided,
         )
         stream = Stream(self, request, timeout)
         with stream:
@@ -433,6 +436,7 @@ class Client(_SyncBase):
         timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
         presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
+        guided: Guided | None = None,
     ) -> Stream:
         """As generate(), but returns at once with a Stream of chunks; the
         request is sent before this returns. See Stream for the end convention."""
@@ -441,7 +445,7 @@ class Client(_SyncBase):
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=True,
             top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n, guided=guided,
         )
         return Stream(self, request, timeout)
 

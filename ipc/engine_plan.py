@@ -17,6 +17,12 @@ MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, MAX_REPETITION_P
 MAX_LOGIT_BIAS = 100.0  # each bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI)
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_MIN_TOKENS = 1_000_000
+# Structured output: what constrains a row's tokens (vLLM's guided decoding). The spec is a JSON
+# schema (json_schema), a regular expression (regex), a JSON list of strings (choice), or empty
+# (json_object: any JSON object).
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice")
+MAX_GUIDED_SPEC = 64 * 1024
+MAX_GUIDED_CHOICES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +38,10 @@ class SamplingSpec:
     token's positive logit is divided by it, a negative one multiplied; prompt
     and output count as seen), frequency_penalty (times the token's count in
     the output) and presence_penalty (once per token present in the output)
-    are subtracted. `logprobs` and the `top_logprobs` alternatives (0..20) are
-    those of the model's raw distribution, before any of that (vLLM's default).
+    are subtracted; a guided row (guided_kind, guided_spec) then masks every
+    token its grammar does not allow. `logprobs` and the `top_logprobs`
+    alternatives (0..20) are those of the model's raw distribution, before any
+    of that (vLLM's default).
     """
 
     temperature: float = 1.0
@@ -50,6 +58,8 @@ class SamplingSpec:
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    guided_kind: str = ""  # "" or one of GUIDED_KINDS
+    guided_spec: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -68,17 +78,25 @@ class SamplingSpec:
             raise ValueError(f"logit_bias values must be in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
         if not 0 <= self.min_tokens <= MAX_MIN_TOKENS:
             raise ValueError(f"min_tokens must be in [0, {MAX_MIN_TOKENS}], got {self.min_tokens}")
+        if self.guided_kind not in ("",) + GUIDED_KINDS:
+            raise ValueError(f"guided_kind must be one of {GUIDED_KINDS}, got {self.guided_kind[:32]!r}")
+        if len(self.guided_spec) > MAX_GUIDED_SPEC:
+            raise ValueError(f"guided_spec: at most {MAX_GUIDED_SPEC} characters")
 
     @property
     def penalised(self) -> bool:
-        """Whether sampling needs the tokens this request has seen (the penalties)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
     @property
+    def needs_history(self) -> bool:
+        """Whether sampling needs the tokens this request has seen (penalties, a grammar's state)."""
+        return self.penalised or bool(self.guided_kind)
+
+    @property
     def processes_logits(self) -> bool:
-        """Whether the logits change before temperature (penalties, bias, min_tokens)."""
-        return self.penalised or bool(self.logit_bias_ids) or self.min_tokens > 0
+        """Whether the logits change before temperature (penalties, bias, min_tokens, a grammar)."""
+        return self.penalised or bool(self.logit_bias_ids) or self.min_tokens > 0 or bool(self.guided_kind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +166,7 @@ class RowResult:
     # The `top_logprobs` most likely tokens of the raw distribution, most likely first (empty when not asked).
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    error: str = ""  # this row could not be sampled (its grammar did not compile): the request fails
 
 
 @dataclass(frozen=True, slots=True)

@@ -235,6 +235,12 @@ def _configure_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                         help="add BIAS in [-100, 100] to token ID's logit (repeatable)")
     parser.add_argument("--n", type=int, default=1, help="completions of the prompt (each printed in turn)")
+    guided = parser.add_mutually_exclusive_group()
+    guided.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                        help="structured output: text that validates against this JSON schema (its JSON text)")
+    guided.add_argument("--json-object", action="store_true", help="structured output: any JSON object")
+    guided.add_argument("--regex", default=None, help="structured output: text matching this regular expression")
+    guided.add_argument("--choice", action="append", default=None, help="structured output: one of these (repeatable)")
     parser.add_argument("--logprobs", type=int, default=None, metavar="N",
                         help="print each token's logprob and its N most likely alternatives (0..20)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
@@ -251,6 +257,18 @@ def _logit_bias(pairs: list[str]) -> dict[int, float]:
         except ValueError:
             raise ValueError(f"--logit-bias takes ID=BIAS, got {pair!r}") from None
     return bias
+
+
+def _guided(args: argparse.Namespace):
+    from loraplex.ipc.guided import Guided
+
+    if args.json_schema is not None:
+        return Guided.json(args.json_schema)
+    if args.json_object:
+        return Guided.json_object()
+    if args.regex is not None:
+        return Guided.regex(args.regex)
+    return Guided.choice(args.choice) if args.choice else None
 
 
 def _print_logprobs(result) -> None:
@@ -271,7 +289,8 @@ def _run_generate(args: argparse.Namespace) -> int:
                        ignore_eos=args.ignore_eos, timeout=args.timeout, min_tokens=args.min_tokens,
                        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                        repetition_penalty=args.repetition_penalty, logit_bias=_logit_bias(args.logit_bias),
-                       logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0, n=args.n)
+                       logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0, n=args.n,
+                       guided=_guided(args))
         with _client(args) as client:
             if args.stream:
                 stream = client.stream(args.prompt, **options)

@@ -25,6 +25,7 @@ from loraplex.errors import AdapterError, InvalidTokenError, PromptTooLongError,
 from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
 from loraplex.gpu_engine.runtime import build_runtime
 from loraplex.ipc.engine_plan import SamplingSpec
+from loraplex.ipc.guided import Guided
 
 Prompt = str | list[int]
 
@@ -47,6 +48,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | None = None
     min_tokens: int = 0
+    guided: Guided | None = None  # structured output: Guided.json(schema), .regex(...), .choice([...])
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -73,7 +75,9 @@ class SamplingParams:
                             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                             repetition_penalty=self.repetition_penalty, logit_bias_ids=list(bias),
                             logit_bias_values=list(bias.values()), min_tokens=self.min_tokens,
-                            stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos)
+                            stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                            guided_kind=self.guided.kind if self.guided else "",
+                            guided_spec=self.guided.spec if self.guided else "")
 
     @property
     def greedy(self) -> bool:
@@ -213,6 +217,13 @@ class LLM:
         if bad:
             raise InvalidTokenError(f"token id {bad[0]} in logit_bias or stop_token_ids is outside the vocabulary")
         spec = params.spec(seed)
+        if params.guided is not None:  # refused here, with the compiler's reason, rather than mid-batch
+            from loraplex.gpu_engine.grammar import GrammarError
+
+            try:
+                self.executor.sampler.grammars.compile(params.guided.kind, params.guided.spec)
+            except GrammarError as exc:
+                raise ValueError(str(exc)) from None
         return SeqRequest(request_id=f"offline-{next(self._ids)}", prompt_ids=ids, adapter=adapter, sampling=spec,
                           max_tokens=params.max_tokens, stop_token_ids=frozenset(params.stop_token_ids),
                           ignore_eos=params.ignore_eos)

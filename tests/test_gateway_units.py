@@ -7,6 +7,8 @@ import asyncio
 import json
 
 import pytest
+
+from loraplex.ipc.guided import Guided
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -80,6 +82,16 @@ def test_chat_request_flattens_text_parts_and_refuses_the_rest():
     assert req.sampling.max_tokens == 9 and req.sampling.logprobs and req.add_generation_prompt
     assert parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True,
                        "top_logprobs": 4}).sampling.top_logprobs == 4
+    user = [{"role": "user", "content": "x"}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    assert parse_chat({"messages": user, "response_format": fmt}).sampling.guided == Guided.json(schema)
+    assert parse_chat({"messages": user, "response_format": {"type": "json_object"}}).sampling.guided == \
+        Guided.json_object()
+    assert parse_chat({"messages": user, "response_format": {"type": "text"}}).sampling.guided is None
+    assert parse_completion({"prompt": "x", "guided_choice": ["a", "b"]}).sampling.guided == Guided.choice(["a", "b"])
+    assert parse_completion({"prompt": "x", "guided_regex": "[0-9]+"}).sampling.client_kwargs()["guided"] == \
+        Guided.regex("[0-9]+")
     # Without max_tokens a chat fills what the context leaves (vLLM), which only the daemon knows.
     assert parse_chat({"messages": [{"role": "user", "content": "x"}]}).sampling.max_tokens is None
     for bad in ({"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
@@ -88,7 +100,11 @@ def test_chat_request_flattens_text_parts_and_refuses_the_rest():
                 {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
                 {"messages": [{"role": "user", "content": "x"}], "echo": True},
                 {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-                {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}):
+                {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+                {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}},
+                {"messages": [{"role": "user", "content": "x"}], "guided_choice": []},
+                {"messages": [{"role": "user", "content": "x"}], "guided_regex": "a", "guided_choice": ["a"]},
+                {"messages": [{"role": "user", "content": "x"}], "guided_json": "[1"}):
         with pytest.raises(ApiError):
             parse_chat(bad)
 

@@ -464,6 +464,10 @@ class BaseScheduler(ABC):
             out = sampled.get(row.request_id)
             if not row.sample or out is None:
                 continue
+            if out.error:  # the engine could not sample it (its grammar): it fails
+                self._finish(seq, "error")
+                finished.append(seq)
+                continue
             if seq.first_token_at is None:
                 seq.first_token_at = self._clock()
             seq.output_ids.append(out.token_id)

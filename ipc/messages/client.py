@@ -8,16 +8,18 @@ length, adapter existence are the daemon's checks, not the protocol's).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.engine_plan import (
+    MAX_GUIDED_SPEC,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_TOP_LOGPROBS,
 )
+from loraplex.ipc.guided import check_guided
 from loraplex.ipc.messages.base import Message, register
 from loraplex.ipc.messages.checks import (
     INT32_MAX,
@@ -62,6 +64,8 @@ class GenerateRequest(Message):
     n: completions of the one prompt (OpenAI's n): each streams its tokens with
     its `choice` index, and one `done` ends them all. With a seed, choice i
     samples with seed + i, so the choices differ and each is reproducible.
+    guided_kind, guided_spec: structured output (ipc.guided.Guided); a grammar
+    the engine cannot compile fails the request (invalid_field, with why).
     priority: lower values are served earlier (vLLM's convention).
     slo_ttft_ms: the time-to-first-token target admission control may use.
     deadline_ms: give up (code `timeout`) this long after the daemon received
@@ -93,6 +97,8 @@ class GenerateRequest(Message):
                           Length(0, MAX_LOGIT_BIAS_ENTRIES)] = field(default_factory=dict)
     min_tokens: Annotated[int, InRange(0, MAX_NEW_TOKENS)] = 0
     n: Annotated[int, InRange(1, MAX_CHOICES)] = 1
+    guided_kind: Literal["json_schema", "json_object", "regex", "choice"] | None = None
+    guided_spec: Annotated[str, Length(0, MAX_GUIDED_SPEC)] = ""
     priority: Annotated[int, InRange(INT32_MIN, INT32_MAX)] = 0
     slo_ttft_ms: Annotated[float, InInterval(0.0, MAX_SLO_TTFT_MS, lo_open=True)] | None = None
     deadline_ms: Annotated[float, InInterval(0.0, MAX_DEADLINE_MS, lo_open=True)] | None = None
@@ -103,6 +109,13 @@ class GenerateRequest(Message):
         for key in self.logit_bias:
             if not (len(key) <= 10 and key.isascii() and key.isdigit()) or int(key) > MAX_TOKEN_ID:
                 raise invalid(f"logit_bias: key {key[:16]!r} is not a token id", ErrorCode.INVALID_TOKEN)
+        if self.guided_kind is not None:
+            try:
+                check_guided(self.guided_kind, self.guided_spec)
+            except ValueError as exc:
+                raise invalid(str(exc)) from None
+        elif self.guided_spec:
+            raise invalid("guided_spec without guided_kind")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise invalid(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
 
