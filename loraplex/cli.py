@@ -246,41 +246,8 @@ def _configure_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
 
 
-def _logit_bias(pairs: list[str]) -> dict[int, float]:
-    bias = {}
-    for pair in pairs:
-        token, sep, value = pair.partition("=")
-        try:
-            if not sep:
-                raise ValueError
-            bias[int(token)] = float(value)
-        except ValueError:
-            raise ValueError(f"--logit-bias takes ID=BIAS, got {pair!r}") from None
-    return bias
-
-
-def _guided(args: argparse.Namespace):
-    from loraplex.ipc.guided import Guided
-
-    if args.json_schema is not None:
-        return Guided.json(args.json_schema)
-    if args.json_object:
-        return Guided.json_object()
-    if args.regex is not None:
-        return Guided.regex(args.regex)
-    return Guided.choice(args.choice) if args.choice else None
-
-
-def _print_logprobs(result) -> None:
-    """One line per completion token of a choice: its id and logprob, then its alternatives."""
-    tops = result.top_logprobs or [None] * len(result.token_ids)
-    for token, lp, top in zip(result.token_ids, result.logprobs or [], tops):
-        alternatives = "" if top is None else "  " + "  ".join(
-            f"{text!r}({alt}) {alt_lp:.3f}" for alt, alt_lp, text in zip(top.token_ids, top.logprobs, top.texts))
-        print(f"{token}\t{lp:.4f}{alternatives}")
-
-
 def _run_generate(args: argparse.Namespace) -> int:
+    from loraplex.generate_options import guided_from, logit_bias_from, print_logprobs
     from loraplex.ipc.client import LoraplexError
 
     try:
@@ -288,9 +255,9 @@ def _run_generate(args: argparse.Namespace) -> int:
                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or None,
                        ignore_eos=args.ignore_eos, timeout=args.timeout, min_tokens=args.min_tokens,
                        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                       repetition_penalty=args.repetition_penalty, logit_bias=_logit_bias(args.logit_bias),
+                       repetition_penalty=args.repetition_penalty, logit_bias=logit_bias_from(args.logit_bias),
                        logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0, n=args.n,
-                       guided=_guided(args))
+                       guided=guided_from(args))
         with _client(args) as client:
             if args.stream:
                 stream = client.stream(args.prompt, **options)
@@ -307,7 +274,7 @@ def _run_generate(args: argparse.Namespace) -> int:
                     print(f"--- choice {choice.index} [{choice.finish_reason}]")
                     print(choice.text)
                 if args.logprobs is not None:
-                    _print_logprobs(choice)
+                    print_logprobs(choice)
     except (LoraplexError, ValueError) as exc:
         print(f"loraplex generate: error: {exc}", file=sys.stderr)
         return 1

@@ -12,6 +12,8 @@ import pytest
 
 from loraplex import LLM, Guided, SamplingParams
 
+pytest.importorskip("xgrammar")  # the engine extra's grammar library
+
 # Names by pattern, not maxLength: xgrammar 0.2.8 lets control characters into a string that has a
 # maxLength, which strict JSON parsers refuse (README, "Structured output").
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,6}$"},
