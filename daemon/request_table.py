@@ -140,9 +140,12 @@ class RequestTable(Mapping[str, ClientRequest]):
                                                        index=len(state.token_ids), choice=state.choice))
         done = state.done(reason)
         self.stats.finished(done)
-        group = self._groups.pop(key, None)
+        group = self._groups.get(key)
         if group is not None:
             done = group.finished(state.choice, done)
+            if done is not None:  # the last choice: the request is over
+                for sibling in group.keys:
+                    self._groups.pop(sibling, None)
         if done is not None:
             await self.send(state.identity, done)
         self._check_idle()
@@ -163,18 +166,20 @@ class RequestTable(Mapping[str, ClientRequest]):
 
     async def cancel(self, identity: bytes, request_id: str) -> bool:
         key = request_key(identity, request_id)
-        if key not in self._requests:
+        group = self._groups.get(key)  # choice 0 may have finished while the others run
+        if key not in self._requests and group is None:
             return False
-        group = self._groups.get(key)
         for sibling in group.keys if group is not None else [key]:
-            await self.finish(sibling, "cancelled")
+            if sibling in self._requests:
+                await self.finish(sibling, "cancelled")
         return True
 
     async def client_gone(self, identity: bytes) -> None:
         """Its connection closed: its requests go without a reply."""
         prefix = identity.hex() + "/"
+        for key in [k for k in self._groups if k.startswith(prefix)]:
+            del self._groups[key]
         for key in [k for k in self._requests if k.startswith(prefix)]:
-            self._groups.pop(key, None)
             self._forget(key)
             self._requests.pop(key, None)
             self.stats.cancelled += 1

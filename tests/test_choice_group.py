@@ -40,7 +40,7 @@ def test_one_done_merges_every_choice() -> None:
         await table.finish(keys[0], "stop")
         assert not [m for m in sent if isinstance(m, DoneReply)]  # one choice still runs
         await table.finish(keys[1], "length")
-        assert len(table) == 0 and table.per_client(IDENTITY) == 0 and table.idle.is_set()
+        assert len(table) == 0 and table.per_client(IDENTITY) == 0 and table.idle.is_set() and not table._groups
         return sent
 
     done = [m for m in asyncio.run(run()) if isinstance(m, DoneReply)]
@@ -63,19 +63,32 @@ def test_a_failed_choice_fails_the_request_once() -> None:
 
     sent, table = asyncio.run(run())
     assert [type(m) for m in sent] == [ErrorReply]
-    assert len(table) == 0 and table.per_client(IDENTITY) == 0
+    assert len(table) == 0 and table.per_client(IDENTITY) == 0 and not table._groups
 
 
 def test_cancel_ends_every_choice() -> None:
     async def run() -> list:
         sent: list = []
-        table, key, keys = _table(2, sent)
+        table, key, keys = _table(3, sent)
+        await table.finish(keys[0], "length")  # choice 0 is done; cancelling still reaches the others
         assert await table.cancel(IDENTITY, "r1")
-        assert len(table) == 0
+        assert len(table) == 0 and not table._groups
+        assert not await table.cancel(IDENTITY, "r1")
         return sent
 
     done = [m for m in asyncio.run(run()) if isinstance(m, DoneReply)]
-    assert len(done) == 1 and [c.finish_reason for c in done[0].choices] == ["cancelled", "cancelled"]
+    assert len(done) == 1 and [c.finish_reason for c in done[0].choices] == ["length", "cancelled", "cancelled"]
+
+
+def test_a_client_gone_leaves_no_group_behind() -> None:
+    async def run() -> RequestTable:
+        table, key, keys = _table(2, [])
+        await table.finish(keys[0], "length")
+        await table.client_gone(IDENTITY)
+        return table
+
+    table = asyncio.run(run())
+    assert len(table) == 0 and not table._groups
 
 
 def test_sibling_keys_and_seeds() -> None:
