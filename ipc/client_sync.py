@@ -397,10 +397,8 @@ class Client(_SyncBase):
         """Generate a completion of `prompt` (text or token ids) with `adapter`
         (None: the base model) and wait for it.
 
-        top_logprobs, presence_penalty, frequency_penalty, repetition_penalty,
-        logit_bias (token id -> bias) and min_tokens act as in vLLM (GenerateRequest);
-        n > 1 asks for n completions of the prompt (GenerateResult.choices);
-        guided (Guided.json(schema), .json_object(), .regex(...), .choice([...])) constrains the text.
+        top_logprobs, the penalties, logit_bias (token id -> bias), min_tokens, n (GenerateResult.choices)
+        and guided (Guided.json(schema), .regex(...), ...) act as in vLLM (ipc.messages.client.GenerateRequest).
         max_tokens: new tokens at most; None fills what the context leaves after
         the prompt. A prompt plus max_tokens longer than the model's context
         fails at once with LoraplexError(context_length_exceeded), as vLLM's 400.
