@@ -64,6 +64,10 @@ class IncrementalDetokenizer:
         self._sent = len(self._decode(self._prefix, self._read))
 
     @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
     def num_output_tokens(self) -> int:
         """Output ids pushed so far (prompt ids excluded)."""
         return len(self._ids) - self._num_prompt

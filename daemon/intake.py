@@ -33,6 +33,10 @@ def longest_token_chars(tokenizer: Any) -> int:
     return max((len(token.encode("utf-8")) for token in tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
 
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
 def _encode(tokenizer: Any, text: str) -> list[int]:
     # encode_batch releases the GIL while it works; encode was measured holding it for up to two
     # seconds of a 3 MB prompt, which would stall the event loop even from a worker thread.
@@ -157,6 +161,20 @@ class PromptIntake:
             self._queued[identity] = left
         else:
             self._queued.pop(identity, None)
+
+    async def decode(self, ids: list[int]) -> str:
+        """The text of `ids` (special tokens kept), decoded in a tokenizer thread."""
+        if self.tokenizer is None:
+            raise Rejected(ErrorCode.INVALID_FIELD, "this model has no tokenizer.json; nothing can be decoded")
+        self.check_vocab(ids, "token_ids")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, _decode, self.tokenizer, ids)
+
+    def check_vocab(self, ids: list[int], what: str) -> None:
+        """Refuse token ids outside the model's vocabulary (logit_bias keys, stop_token_ids)."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise Rejected(ErrorCode.INVALID_TOKEN,
+                           f"{what}: token id {bad} is outside the vocabulary (size {self.vocab_size})")
 
     def check_ids(self, ids: list[int], max_tokens: int | None) -> int:
         """Check a prompt's ids against the model; return how many tokens it may generate:

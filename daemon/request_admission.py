@@ -11,6 +11,7 @@ import logging
 import secrets
 
 from loraplex.daemon.adapter_table import AdapterTable
+from loraplex.daemon.choice_group import ChoiceGroup, sibling_key, sibling_seed
 from loraplex.daemon.config import ServerSettings
 from loraplex.daemon.controls import Controls
 from loraplex.daemon.detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
@@ -65,23 +66,38 @@ class RequestAdmission:
         key = request_key(identity, msg.request_id)
         self._check_room(identity, key, msg)
         self._check_adapter(msg)
+        if self.intake.vocab_size:  # known once an engine said what it runs
+            self.intake.check_vocab(msg.bias_lists()[0], "logit_bias")
+            self.intake.check_vocab(msg.stop_token_ids, "stop_token_ids")
         if msg.prompt is None:
             max_tokens = self.intake.check_ids(msg.prompt_token_ids, msg.max_tokens)  # before copying them
-            await self._route(self._register(identity, key, msg), list(msg.prompt_token_ids), max_tokens)
+            ids = list(msg.prompt_token_ids)
+            for state in self._register_choices(identity, key, msg):
+                if state.key in self.requests:  # a sibling's failure fails them all
+                    await self._route(state, ids, max_tokens)
         else:
             self.intake.check_text(msg.prompt)
-            state = self._register(identity, key, msg)
-            self.requests.tokenizing[key] = asyncio.create_task(self._tokenize_then_route(state), name=f"intake-{key}")
+            states = self._register_choices(identity, key, msg)
+            self.requests.tokenizing[key] = asyncio.create_task(self._tokenize_then_route(states), name=f"intake-{key}")
+
+    def _register_choices(self, identity: bytes, key: str, msg: GenerateRequest) -> list[ClientRequest]:
+        """One request in flight per choice (n > 1: siblings that one reply ends)."""
+        states = [self._register(identity, sibling_key(key, i), msg, choice=i) for i in range(msg.n)]
+        if msg.n > 1:
+            self.requests.add_group(ChoiceGroup(key, msg.n))
+        return states
 
     def _check_room(self, identity: bytes, key: str, msg: GenerateRequest) -> None:
         if self.controls.draining:
             raise Rejected(ErrorCode.SHUTTING_DOWN, "the daemon is draining and accepts no new requests")
-        if len(self.requests) >= self.server.max_clients_inflight:
+        # Each of n choices is one request in flight.
+        if len(self.requests) + msg.n > self.server.max_clients_inflight:
             raise Rejected(ErrorCode.OVERLOADED, f"{len(self.requests)} requests in flight; try again later")
         per_client = self.requests.per_client(identity)
-        if per_client >= self.server.max_requests_per_client:
+        if per_client + msg.n > self.server.max_requests_per_client:
             raise Rejected(ErrorCode.OVERLOADED,
-                           f"this client already has {per_client} requests in flight (server.max_requests_per_client)")
+                           f"this client already has {per_client} requests in flight and asks for {msg.n} more "
+                           "(server.max_requests_per_client)")
         if key in self.requests:
             raise Rejected(ErrorCode.DUPLICATE_REQUEST, f"request id {msg.request_id!r} is already in flight")
 
@@ -93,9 +109,9 @@ class RequestAdmission:
             if entry.state == "error" or (entry.state != "ready" and self.host is None):
                 raise Rejected(ErrorCode.INVALID_ADAPTER, f"adapter {msg.adapter!r} is not usable: {entry.error}")
 
-    def _register(self, identity: bytes, key: str, msg: GenerateRequest) -> ClientRequest:
+    def _register(self, identity: bytes, key: str, msg: GenerateRequest, choice: int = 0) -> ClientRequest:
         state = ClientRequest(
-            key=key, identity=identity, msg=msg, prompt_ids=[],
+            key=key, identity=identity, msg=msg, prompt_ids=[], choice=choice,
             detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
             stops=StopStringMatcher(list(msg.stop)) if msg.stop else None,
             adapter_path="base" if msg.adapter is None else "cached",
@@ -103,7 +119,8 @@ class RequestAdmission:
         self.requests.add(state)
         return state
 
-    async def _tokenize_then_route(self, state: ClientRequest) -> None:
+    async def _tokenize_then_route(self, states: list[ClientRequest]) -> None:
+        state = states[0]
         try:
             ids = await self.intake.encode(state.identity, state.msg.prompt)
             max_tokens = self.intake.check_ids(ids, state.msg.max_tokens)
@@ -118,14 +135,15 @@ class RequestAdmission:
             return
         finally:
             self.requests.tokenizing.pop(state.key, None)
-        if state.key in self.requests:
-            await self._route(state, ids, max_tokens)
+        for sibling in states:
+            if sibling.key in self.requests:
+                await self._route(sibling, ids, max_tokens)
 
     async def _route(self, state: ClientRequest, ids: list[int], max_tokens: int) -> None:
         """Hand a checked request to an engine's scheduler (or hold it for its adapter)."""
         msg = state.msg
         state.prompt_ids = ids
-        seq = _sequence_request(state.key, msg, ids, max_tokens)
+        seq = _sequence_request(state.key, msg, ids, max_tokens, state.choice)
         adapter = self.adapters.get(msg.adapter) if msg.adapter is not None else None
         if adapter is not None and self.host is not None:
             self.host.note_tier(adapter.name)
@@ -147,13 +165,21 @@ class RequestAdmission:
             adapter.requests += 1
 
 
-def _sequence_request(key: str, msg: GenerateRequest, ids: list[int], max_tokens: int) -> SeqRequest:
-    """What the scheduler sees of a client request."""
+def _sequence_request(key: str, msg: GenerateRequest, ids: list[int], max_tokens: int, choice: int) -> SeqRequest:
+    """What the scheduler sees of a client request (or of its choice `choice`)."""
+    bias_ids, bias_values = msg.bias_lists()
+    seed = sibling_seed(msg.seed, choice)
     return SeqRequest(
         request_id=key, prompt_ids=ids, adapter=msg.adapter,
         sampling=SamplingSpec(temperature=msg.temperature if msg.top_k != 1 else 0.0, top_p=msg.top_p,
-                              top_k=msg.top_k, seed=msg.seed if msg.seed is not None else secrets.randbits(63),
-                              logprobs=msg.logprobs),
+                              top_k=msg.top_k, seed=seed if seed is not None else secrets.randbits(63),
+                              logprobs=msg.logprobs or msg.top_logprobs > 0, top_logprobs=msg.top_logprobs,
+                              presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+                              repetition_penalty=msg.repetition_penalty, logit_bias_ids=bias_ids,
+                              logit_bias_values=bias_values, min_tokens=msg.min_tokens,
+                              stop_token_ids=list(msg.stop_token_ids) if msg.min_tokens else [],
+                              ignore_eos=msg.ignore_eos, guided_kind=msg.guided_kind or "",
+                              guided_spec=msg.guided_spec),
         max_tokens=max_tokens, stop_token_ids=frozenset(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         ttft_slo_s=None if msg.slo_ttft_ms is None else msg.slo_ttft_ms / 1e3,
     )

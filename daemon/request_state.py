@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass, field
 
 from loraplex.daemon.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from loraplex.ipc.protocol import DoneReply, GenerateRequest, TokenChunk
+from loraplex.ipc.engine_plan import RowResult
+from loraplex.ipc.protocol import MAX_TOKEN_TEXT_LEN, DoneReply, GenerateRequest, TokenChunk, TopLogprobs
 
 
 @dataclass(slots=True)
@@ -34,13 +35,15 @@ class ClientRequest:
     engine_retries: int = 0  # times this request was recomputed after its engine died
     engine: int = 0  # index of the engine replica serving it
     migrations: int = 0  # times it moved to another engine (co-migration)
+    choice: int = 0  # which of its request's n completions
 
     @property
     def request_id(self) -> str:
         return self.msg.request_id
 
-    def on_token(self, token_id: int, logprob: float | None) -> tuple[TokenChunk | None, bool]:
+    def on_token(self, row: RowResult) -> tuple[TokenChunk | None, bool]:
         """Record one sampled token; return the chunk to stream (if any) and whether a stop string hit."""
+        token_id, logprob = row.token_id, row.logprob
         now = time.monotonic()
         if self.first_token_at is None:
             self.first_token_at = now
@@ -56,9 +59,19 @@ class ClientRequest:
         self.text += piece
         if not self.msg.stream:
             return None, stopped
+        wants_logprobs = (self.msg.logprobs or self.msg.top_logprobs > 0) and logprob is not None
+        top = [self._alternatives(row)] if self.msg.top_logprobs > 0 else None
         chunk = TokenChunk(request_id=self.request_id, token_ids=[token_id], text=piece,
-                           logprobs=[logprob] if self.msg.logprobs and logprob is not None else None, index=index)
+                           logprobs=[logprob] if wants_logprobs else None, index=index, top_logprobs=top,
+                           choice=self.choice)
         return chunk, stopped
+
+    def _alternatives(self, row: RowResult) -> TopLogprobs:
+        """The engine's top alternatives, each decoded alone (as vLLM spells them)."""
+        tokenizer = self.detok.tokenizer if self.detok is not None else None
+        texts = [tokenizer.decode([t], skip_special_tokens=False)[:MAX_TOKEN_TEXT_LEN] if tokenizer is not None else ""
+                 for t in row.top_ids]
+        return TopLogprobs(token_ids=list(row.top_ids), logprobs=list(row.top_logprobs), texts=texts)
 
     def finish_text(self, stopped: bool) -> str:
         """Text still held back (an incomplete UTF-8 tail or a possible stop-string prefix)."""

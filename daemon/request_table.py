@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator, Mapping, ValuesView
 from typing import Awaitable, Callable
 
+from loraplex.daemon.choice_group import ChoiceGroup
 from loraplex.daemon.request_state import ClientRequest
 from loraplex.daemon.stats import ServingStats
 from loraplex.ipc.engine_plan import StepPlan, StepResult
@@ -34,6 +35,7 @@ class RequestTable(Mapping[str, ClientRequest]):
         self._per_client: dict[bytes, int] = {}  # identity -> requests in flight
         self._deadlines: dict[str, asyncio.TimerHandle] = {}  # key -> its deadline_ms timer
         self.tokenizing: dict[str, asyncio.Task] = {}  # key -> its prompt being tokenized
+        self._groups: dict[str, ChoiceGroup] = {}  # each sibling's key -> its request's n choices (n > 1)
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
         self.departed = asyncio.Event()  # set whenever a request leaves
@@ -84,6 +86,11 @@ class RequestTable(Mapping[str, ClientRequest]):
             self._deadlines[state.key] = asyncio.get_running_loop().call_later(
                 state.msg.deadline_ms / 1e3, self.expire, state.key)
 
+    def add_group(self, group: ChoiceGroup) -> None:
+        """The n sibling requests of one generate (added each with `add`): one reply ends them all."""
+        for key in group.keys:
+            self._groups[key] = group
+
     def note_scheduled(self, plan: StepPlan, waited_for_adapter: Callable[[str], bool]) -> None:
         """A step is about to run: record when each request first ran and how its adapter got there."""
         placed = {p.name for p in plan.place}
@@ -107,9 +114,12 @@ class RequestTable(Mapping[str, ClientRequest]):
             state = self._requests.get(row.request_id)
             if state is None:
                 continue
+            if row.error:
+                await self.fail(row.request_id, ErrorCode.INVALID_FIELD, row.error)
+                continue
             if state.first_token_at is None:
                 state.first_step_engine_ms = result.forward_ms + result.sample_ms
-            chunk, stopped = state.on_token(row.token_id, row.logprob)
+            chunk, stopped = state.on_token(row)
             if chunk is not None:
                 await self.send(state.identity, chunk)
             if stopped:
@@ -128,13 +138,26 @@ class RequestTable(Mapping[str, ClientRequest]):
         tail = state.finish_text(stopped=stopped_by_string and state.stops is not None and reason == "stop")
         if state.msg.stream and tail:
             await self.send(state.identity, TokenChunk(request_id=state.request_id, token_ids=[], text=tail,
-                                                       index=len(state.token_ids)))
+                                                       index=len(state.token_ids), choice=state.choice))
         done = state.done(reason)
         self.stats.finished(done)
-        await self.send(state.identity, done)
+        group = self._groups.get(key)
+        if group is not None:
+            done = group.finished(state.choice, done)
+            if done is not None:  # the last choice: the request is over
+                for sibling in group.keys:
+                    self._groups.pop(sibling, None)
+        if done is not None:
+            await self.send(state.identity, done)
         self._check_idle()
 
     async def fail(self, key: str, code: ErrorCode, message: str) -> None:
+        """One error reply; a sibling's failure fails its whole request (the others go silently)."""
+        group = self._groups.get(key)
+        for sibling in group.keys if group is not None else ():
+            self._groups.pop(sibling, None)
+            if sibling != key:
+                self._leave(sibling)
         state = self._leave(key)
         if state is None:
             return
@@ -144,14 +167,19 @@ class RequestTable(Mapping[str, ClientRequest]):
 
     async def cancel(self, identity: bytes, request_id: str) -> bool:
         key = request_key(identity, request_id)
-        if key not in self._requests:
+        group = self._groups.get(key)  # choice 0 may have finished while the others run
+        if key not in self._requests and group is None:
             return False
-        await self.finish(key, "cancelled")
+        for sibling in group.keys if group is not None else [key]:
+            if sibling in self._requests:
+                await self.finish(sibling, "cancelled")
         return True
 
     async def client_gone(self, identity: bytes) -> None:
         """Its connection closed: its requests go without a reply."""
         prefix = identity.hex() + "/"
+        for key in [k for k in self._groups if k.startswith(prefix)]:
+            del self._groups[key]
         for key in [k for k in self._requests if k.startswith(prefix)]:
             self._forget(key)
             self._requests.pop(key, None)

@@ -22,6 +22,8 @@ from loraplex.ipc.protocol import (
     AddAdapterRequest,
     AdminOkReply,
     CancelRequest,
+    DetokenizedReply,
+    DetokenizeRequest,
     DrainRequest,
     ErrorReply,
     GenerateRequest,
@@ -35,6 +37,8 @@ from loraplex.ipc.protocol import (
     SetPolicyRequest,
     StatsReply,
     StatsRequest,
+    TokenizedReply,
+    TokenizeRequest,
 )
 from loraplex.ipc.sockets import AsyncTypedSocket, PeerUnavailable
 
@@ -44,6 +48,8 @@ _ADMIN_ONLY = (AddAdapterRequest, RemoveAdapterRequest, PinAdapterRequest, Drain
 # Admin orders that await files or child processes: each runs as its own task (at most this many at
 # once; the socket is read again once one finishes), the others are answered in order at once.
 _SLOW_ADMIN = (AddAdapterRequest, RemoveAdapterRequest)
+# Client requests answered from a tokenizer thread: likewise their own tasks, so ping and cancel never wait.
+_SLOW_CLIENT = (TokenizeRequest, DetokenizeRequest)
 MAX_CONCURRENT_ADMIN_ORDERS = 32
 
 
@@ -89,7 +95,8 @@ class Dispatcher:
                         await self._reply(bytes([listener.tag]) + err.identity, ErrorReply.from_error(err))
                     continue
                 identity = bytes([listener.tag]) + (envelope.identity or b"")
-                if listener.admin and isinstance(envelope.message, _SLOW_ADMIN):
+                if (listener.admin and isinstance(envelope.message, _SLOW_ADMIN)) \
+                        or isinstance(envelope.message, _SLOW_CLIENT):
                     # One slow add (a big or unreadable adapter) must never hold up list, ping or drain.
                     await slots.acquire()
                     task = asyncio.create_task(self._answer(listener, identity, envelope.message),
@@ -127,6 +134,11 @@ class Dispatcher:
         if isinstance(msg, GenerateRequest):
             await self.core.submit(identity, msg)
             return None
+        if isinstance(msg, TokenizeRequest):
+            ids = await self.core.tokenize(identity, msg.prompt)
+            return TokenizedReply(request_id=msg.request_id, token_ids=ids, max_model_len=self.core.max_model_len)
+        if isinstance(msg, DetokenizeRequest):
+            return DetokenizedReply(request_id=msg.request_id, text=await self.core.detokenize(msg.token_ids))
         if isinstance(msg, CancelRequest):
             if not await self.core.cancel(identity, msg.request_id):
                 raise Rejected(ErrorCode.NOT_FOUND, f"no request {msg.request_id!r} in flight for this client")

@@ -164,6 +164,21 @@ class ServingCore:
     async def submit(self, identity: bytes, msg: GenerateRequest) -> None:
         await self.admission.submit(identity, msg)
 
+    async def tokenize(self, identity: bytes, text: str) -> list[int]:
+        """`text`'s token ids, bounded and computed as prompts are (the client's turn, its byte budget)."""
+        intake = self.admission.intake
+        if intake.tokenizer is not None and not text:
+            return []
+        intake.check_text(text)
+        return await intake.encode(identity, text)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        return await self.admission.intake.decode(ids)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.admission.intake.max_model_len
+
     async def cancel(self, identity: bytes, request_id: str) -> bool:
         return await self.requests.cancel(identity, request_id)
 

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from loraplex.gateway import completions, models
+from loraplex.gateway import completions, models, tokens
 from loraplex.gateway.chat_template import ChatTemplate
 from loraplex.gateway.config import GatewayConfig
 from loraplex.gateway.daemon_metrics import DaemonStats
@@ -78,6 +78,9 @@ def build_app(config: GatewayConfig, *, client: AsyncClient | None = None,
     if config.enable_adapter_admin:
         app.router.add_post("/v1/load_lora_adapter", models.load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", models.unload_lora_adapter)
+    app.router.add_post("/tokenize", tokens.tokenize)
+    app.router.add_post("/detokenize", tokens.detokenize)
+    app.router.add_get("/version", tokens.version)
     app.router.add_get("/health", models.health)
     app.router.add_get("/metrics", metrics)
     app.on_cleanup.append(_close_clients)

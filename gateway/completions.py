@@ -74,8 +74,21 @@ async def json_body(request: web.Request) -> object:
 
 async def completions(request: web.Request, state: GatewayState, out: Outcome) -> web.StreamResponse:
     req = parse_completion(await json_body(request))
+    echoes = [await _prompt_text(state, p) for p in req.prompts] if req.echo else None
     return await _generate(request, state, out, CompletionFormat(), req.model, req.prompts, req.sampling,
-                           stream=req.stream, include_usage=req.include_usage)
+                           stream=req.stream, include_usage=req.include_usage, echoes=echoes)
+
+
+async def _prompt_text(state: GatewayState, prompt: Prompt) -> str:
+    """What `echo` puts before a completion: the prompt's text (token ids decoded by the daemon)."""
+    if isinstance(prompt, str):
+        return prompt
+    try:
+        return await state.client.detokenize(prompt)
+    except LoraplexError as exc:
+        raise from_daemon(exc) from None
+    except ProtocolError as exc:
+        raise from_protocol(exc) from None
 
 
 async def chat_completions(request: web.Request, state: GatewayState, out: Outcome) -> web.StreamResponse:
@@ -91,7 +104,7 @@ async def chat_completions(request: web.Request, state: GatewayState, out: Outco
 
 async def _generate(request: web.Request, state: GatewayState, out: Outcome, fmt: CompletionFormat | ChatFormat,
                     requested: str | None, prompts: Sequence[Prompt], sampling: Sampling, *, stream: bool,
-                    include_usage: bool) -> web.StreamResponse:
+                    include_usage: bool, echoes: list[str] | None = None) -> web.StreamResponse:
     model, adapter = state.resolve_model(requested)
     job = Job(state.client, state.metrics, model=model, adapter=adapter, prompts=prompts, sampling=sampling,
               timeout=state.config.request_timeout_s)
@@ -107,9 +120,12 @@ async def _generate(request: web.Request, state: GatewayState, out: Outcome, fmt
     out.model = model
     envelope = Envelope.new(fmt, model)
     try:
+        if echoes and sampling.n > 1:  # one per choice
+            echoes = [text for text in echoes for _ in range(sampling.n)]
+        choices = len(prompts) * sampling.n
         if stream:
-            return await _stream(request, job, envelope, len(prompts), sampling.logprobs, include_usage, out)
-        return await _collect(job, envelope, len(prompts), sampling.logprobs)
+            return await _stream(request, job, envelope, choices, sampling.logprobs, include_usage, out, echoes)
+        return await _collect(job, envelope, choices, sampling.logprobs, echoes)
     finally:
         # Shielded: a disconnect cancels this handler, but the daemon must still hear the cancels.
         closing = asyncio.ensure_future(job.close())
@@ -118,23 +134,24 @@ async def _generate(request: web.Request, state: GatewayState, out: Outcome, fmt
         await asyncio.shield(closing)
 
 
-async def _collect(job: Job, env: Envelope, n: int, logprobs: bool) -> web.Response:
+async def _collect(job: Job, env: Envelope, n: int, logprobs: bool, echoes: list[str] | None) -> web.Response:
     tokens = [Tokens() for _ in range(n)] if logprobs else None
     try:
         async with aclosing(job.events()) as events:
             async for index, chunk in events:
                 if tokens is not None:
-                    tokens[index].extend(chunk.text, len(chunk.token_ids), chunk.logprobs)
+                    tokens[index].extend(chunk.text, len(chunk.token_ids), chunk.logprobs, chunk.top_logprobs,
+                                         chunk.token_ids)
     except LoraplexError as exc:
         raise from_daemon(exc, job.model) from None
-    results = job.results
-    choices = [env.fmt.choice(i, r.text, r.finish_reason, tokens[i] if tokens is not None else None)
-               for i, r in enumerate(results)]
-    return web.json_response(env.body(choices, _usage(results)))
+    choices = [env.fmt.choice(i, (echoes[i] if echoes else "") + c.text, c.finish_reason,
+                              tokens[i] if tokens is not None else None)
+               for i, c in enumerate(job.choices)]
+    return web.json_response(env.body(choices, _usage(job.results)))
 
 
 async def _stream(request: web.Request, job: Job, env: Envelope, n: int, logprobs: bool, include_usage: bool,
-                  out: Outcome) -> web.StreamResponse:
+                  out: Outcome, echoes: list[str] | None) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
 
@@ -147,6 +164,9 @@ async def _stream(request: web.Request, job: Job, env: Envelope, n: int, logprob
             for i in range(n):
                 if (opening := env.fmt.opening(i)) is not None:
                     await send(env.chunk([opening], with_usage_key=include_usage))
+                if echoes and echoes[i]:
+                    await send(env.chunk([env.fmt.delta(i, echoes[i], None, 0)], with_usage_key=include_usage))
+                    offsets[i] = len(echoes[i])
             async with aclosing(job.events()) as events:
                 async for index, chunk in events:
                     if not chunk.text and not (logprobs and chunk.token_ids):
@@ -154,15 +174,15 @@ async def _stream(request: web.Request, job: Job, env: Envelope, n: int, logprob
                     tokens = None
                     if logprobs:
                         tokens = Tokens()
-                        tokens.extend(chunk.text, len(chunk.token_ids), chunk.logprobs)
+                        tokens.extend(chunk.text, len(chunk.token_ids), chunk.logprobs, chunk.top_logprobs,
+                                         chunk.token_ids)
                     await send(env.chunk([env.fmt.delta(index, chunk.text, tokens, offsets[index])],
                                          with_usage_key=include_usage))
                     offsets[index] += len(chunk.text)
-            results = job.results
-            for i, result in enumerate(results):
-                await send(env.chunk([env.fmt.closing(i, result.finish_reason)], with_usage_key=include_usage))
+            for i, choice in enumerate(job.choices):
+                await send(env.chunk([env.fmt.closing(i, choice.finish_reason)], with_usage_key=include_usage))
             if include_usage:
-                await send(env.chunk([], _usage(results)))
+                await send(env.chunk([], _usage(job.results)))
         except LoraplexError as exc:
             error = from_daemon(exc, job.model)
             out.outcome = error.code or "error"

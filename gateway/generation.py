@@ -1,5 +1,5 @@
 """The daemon requests behind one HTTP request: one streamed generate per
-prompt through the shared AsyncClient, their first replies awaited before
+prompt (its n choices fanned out by the daemon) through the shared AsyncClient, their first replies awaited before
 any HTTP byte is sent (so a refused request still gets its proper status),
 their chunks merged in arrival order, and their outcomes counted.
 
@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from loraplex.gateway.metrics import GatewayMetrics, Ticket
 from loraplex.gateway.schema import Prompt, Sampling
-from loraplex.ipc.client import AsyncClient, AsyncStream, GenerateResult, StreamChunk
+from loraplex.ipc.client import AsyncClient, AsyncStream, Choice, GenerateResult, StreamChunk
 
 Event = tuple[int, StreamChunk]
 
@@ -98,6 +98,11 @@ class Job:
         await asyncio.gather(*(run.close() for run in self._runs), return_exceptions=True)
 
     @property
+    def choices(self) -> list[Choice]:
+        """Every choice, prompt by prompt (OpenAI's index: prompt * n + choice), once `events()` ended."""
+        return [choice for result in self.results for choice in result.choices]
+
+    @property
     def results(self) -> list[GenerateResult]:
         """Each prompt's result, in prompt order (after `events()` was read to its end)."""
         out = []
@@ -108,10 +113,11 @@ class Job:
         return out
 
     async def events(self) -> AsyncIterator[Event]:
-        """(prompt index, chunk) in arrival order until every generation ended."""
+        """(choice index: prompt * n + choice, chunk) in arrival order until every generation ended."""
+        n = self._sampling.n
         if len(self._runs) == 1:
             async for chunk in self._runs[0].chunks():
-                yield 0, chunk
+                yield chunk.choice, chunk
             return
         queue: asyncio.Queue[tuple[int, StreamChunk | None, Exception | None]] = asyncio.Queue()
 
@@ -133,7 +139,7 @@ class Job:
                 if chunk is None:
                     remaining -= 1
                 else:
-                    yield index, chunk
+                    yield index * n + chunk.choice, chunk
         finally:
             for task in tasks:
                 task.cancel()

@@ -12,6 +12,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from loraplex.ipc.client import TopLogprobs
+
 # The daemon's finish reasons -> OpenAI's ("cancelled" only reaches a client that went away).
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "abort"}
 
@@ -34,8 +36,11 @@ class Tokens:
 
     texts: list[str] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)  # None (JSON null): the daemon sent none
+    tops: list[TopLogprobs | None] = field(default_factory=list)  # each token's alternatives, when asked
+    ids: list[int | None] = field(default_factory=list)
 
-    def extend(self, text: str, num_tokens: int, logprobs: list[float] | None) -> None:
+    def extend(self, text: str, num_tokens: int, logprobs: list[float] | None,
+               tops: list[TopLogprobs] | None = None, token_ids: list[int] | None = None) -> None:
         """Add one streamed chunk: `text` goes to its first token; a chunk
         without tokens (text the detokenizer held back) goes to the last one."""
         if num_tokens == 0:
@@ -45,6 +50,10 @@ class Tokens:
         self.texts.extend([text] + [""] * (num_tokens - 1))
         given: list[float | None] = list(logprobs or [])[:num_tokens]
         self.logprobs.extend(given + [None] * (num_tokens - len(given)))
+        alternatives: list[TopLogprobs | None] = list(tops or [])[:num_tokens]
+        self.tops.extend(alternatives + [None] * (num_tokens - len(alternatives)))
+        ids: list[int | None] = list(token_ids or [])[:num_tokens]
+        self.ids.extend(ids + [None] * (num_tokens - len(ids)))
 
 
 class Format(Protocol):
@@ -115,11 +124,11 @@ class Envelope:
     def new(cls, fmt: CompletionFormat | ChatFormat, model: str) -> Envelope:
         return cls(fmt, model, f"{fmt.id_prefix}{uuid.uuid4().hex}", int(time.time()))
 
-    def body(self, choices: list[dict[str, object]], usage_: dict[str, int]) -> dict[str, object]:
+    def body(self, choices: list[dict[str, object]], usage_: dict[str, object]) -> dict[str, object]:
         return {"id": self.id, "object": self.fmt.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage_, "system_fingerprint": None}
 
-    def chunk(self, choices: list[dict[str, object]], usage_: dict[str, int] | None = None,
+    def chunk(self, choices: list[dict[str, object]], usage_: dict[str, object] | None = None,
               with_usage_key: bool = False) -> dict[str, object]:
         chunk: dict[str, object] = {"id": self.id, "object": self.fmt.chunk_object, "created": self.created,
                                     "model": self.model, "choices": choices}
@@ -129,20 +138,39 @@ class Envelope:
 
 
 def _completion_logprobs(tokens: Tokens | None, offset: int) -> dict[str, object] | None:
-    """The legacy completions shape; top_logprobs holds just the sampled token (logprobs=0)."""
+    """The legacy completions shape; each top_logprobs map holds the alternatives (each token
+    decoded alone, so texts that decode alike share a key), and the sampled token under its
+    text in the completion when it is not among them (up to logprobs + 1 entries, as vLLM)."""
     if tokens is None:
         return None
     offsets = []
     for text in tokens.texts:
         offsets.append(offset)
         offset += len(text)
-    pairs = list(zip(tokens.texts, tokens.logprobs, strict=True))
-    return {"tokens": list(tokens.texts), "token_logprobs": list(tokens.logprobs),
-            "top_logprobs": [{t: lp} for t, lp in pairs], "text_offset": offsets}
+    tops = []
+    for text, lp, top, token in zip(tokens.texts, tokens.logprobs, tokens.tops, tokens.ids, strict=True):
+        if top is None:
+            tops.append({text: lp})
+            continue
+        entry: dict[str, float | None] = {}
+        for t, alt in zip(top.texts, top.logprobs):
+            entry.setdefault(t, alt)
+        if token not in top.token_ids:
+            entry.setdefault(text, lp)
+        tops.append(entry)
+    return {"tokens": list(tokens.texts), "token_logprobs": list(tokens.logprobs), "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def _chat_logprobs(tokens: Tokens | None) -> dict[str, object] | None:
     if tokens is None:
         return None
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-                        for t, lp in zip(tokens.texts, tokens.logprobs, strict=True)]}
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")),
+                         "top_logprobs": _chat_alternatives(top)}
+                        for t, lp, top in zip(tokens.texts, tokens.logprobs, tokens.tops, strict=True)]}
+
+
+def _chat_alternatives(top: TopLogprobs | None) -> list[dict[str, object]]:
+    if top is None:
+        return []
+    return [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in zip(top.texts, top.logprobs)]

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.gateway.errors import bad_request
-from loraplex.ipc.protocol import MAX_NEW_TOKENS
+from loraplex.ipc.guided import Guided
+from loraplex.ipc.protocol import MAX_CHOICES, MAX_NEW_TOKENS
 
 Prompt = str | list[int]
 # Completions default (as OpenAI and vLLM). Chat without max_tokens (or max_completion_tokens)
@@ -22,10 +23,10 @@ Prompt = str | list[int]
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_PROMPTS_PER_REQUEST = 128
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_TOP_LOGPROBS = 20
 # Accepted only at their no-op value: the daemon has no such feature.
-_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "best_of": 1, "suffix": None,
-            "logit_bias": None, "tools": None, "functions": None, "echo": False, "min_tokens": 0,
-            "prompt_logprobs": None, "use_beam_search": False}
+_NEUTRAL = {"best_of": 1, "suffix": None, "tools": None, "functions": None, "prompt_logprobs": None,
+            "use_beam_search": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +44,24 @@ class Sampling:
     ignore_eos: bool = False
     logprobs: bool = False
     priority: int = 0
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[str, object], ...] = ()  # as the body gave it
+    min_tokens: int = 0
+    n: int = 1  # choices per prompt
+    guided: Guided | None = None  # structured output
 
     def client_kwargs(self) -> dict[str, object]:
         """Keyword arguments for AsyncClient.stream."""
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop),
                 "stop_token_ids": list(self.stop_token_ids), "ignore_eos": self.ignore_eos,
-                "logprobs": self.logprobs, "priority": self.priority}
+                "logprobs": self.logprobs, "priority": self.priority, "top_logprobs": self.top_logprobs,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty, "logit_bias": dict(self.logit_bias),
+                "min_tokens": self.min_tokens, "n": self.n, "guided": self.guided}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +71,7 @@ class CompletionRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool
+    echo: bool = False  # the prompt's text comes before each choice's completion
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,28 +88,30 @@ class ChatRequest:
 def parse_completion(body: object) -> CompletionRequest:
     b = _object(body)
     _refuse_unsupported(b)
-    logprobs = _opt_int(b, "logprobs", 0, 20)
-    if logprobs is not None and logprobs > 0:
-        raise bad_request("only the sampled token's logprob is available: use logprobs=0", "logprobs",
-                          "unsupported_value")
+    logprobs = _opt_int(b, "logprobs", 0, MAX_TOP_LOGPROBS)  # the legacy API: how many alternatives
+    echo = _opt_bool(b, "echo", False)
+    if echo and logprobs is not None:
+        raise bad_request("echo with logprobs needs the prompt's logprobs, which loraplex does not compute",
+                          "echo", "unsupported_value")
     stream, include_usage = _stream(b)
-    return CompletionRequest(
-        model=_model(b), prompts=_prompts(b.get("prompt")), stream=stream, include_usage=include_usage,
-        sampling=_sampling(b, _opt_int(b, "max_tokens", 1, MAX_NEW_TOKENS) or COMPLETIONS_DEFAULT_MAX_TOKENS,
-                           logprobs=logprobs is not None),
-    )
+    prompts = _prompts(b.get("prompt"))
+    sampling = _sampling(b, _opt_int(b, "max_tokens", 1, MAX_NEW_TOKENS) or COMPLETIONS_DEFAULT_MAX_TOKENS,
+                         logprobs=logprobs is not None, top_logprobs=logprobs or 0)
+    if len(prompts) * sampling.n > MAX_PROMPTS_PER_REQUEST:
+        raise bad_request(f"prompts times n must be at most {MAX_PROMPTS_PER_REQUEST}", "n")
+    return CompletionRequest(model=_model(b), prompts=prompts, stream=stream, include_usage=include_usage, echo=echo,
+                             sampling=sampling)
 
 
 def parse_chat(body: object) -> ChatRequest:
     b = _object(body)
     _refuse_unsupported(b)
-    top = _opt_int(b, "top_logprobs", 0, 20)
-    if top:
-        raise bad_request("only the sampled token's logprob is available: use top_logprobs=0", "top_logprobs",
-                          "unsupported_value")
-    if b.get("response_format") not in (None, {"type": "text"}):
-        raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
-                          "unsupported_value")
+    if b.get("echo") not in (None, False):
+        raise bad_request("echo is not supported for chat", "echo", "unsupported_parameter")
+    logprobs = _opt_bool(b, "logprobs", False)
+    top = _opt_int(b, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    if top and not logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     if b.get("tool_choice") not in (None, "none"):
         raise bad_request("tool calling is not supported", "tool_choice", "unsupported_value")
     max_tokens = _opt_int(b, "max_completion_tokens", 1, MAX_NEW_TOKENS)
@@ -108,9 +123,38 @@ def parse_chat(body: object) -> ChatRequest:
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
     return ChatRequest(
         model=_model(b), messages=_messages(b.get("messages")), stream=stream, include_usage=include_usage,
-        sampling=_sampling(b, max_tokens, logprobs=_opt_bool(b, "logprobs", False)),
+        sampling=_sampling(b, max_tokens, logprobs=logprobs, top_logprobs=top),
         add_generation_prompt=_opt_bool(b, "add_generation_prompt", True), template_kwargs=kwargs,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeRequest:
+    """vLLM's /tokenize body: a prompt, or chat messages rendered by the chat template."""
+
+    prompt: str | None
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool
+
+
+def parse_tokenize(body: object) -> TokenizeRequest:
+    b = _object(body)
+    _model(b)
+    if "messages" in b:
+        return TokenizeRequest(None, _messages(b.get("messages")), _opt_bool(b, "add_generation_prompt", True))
+    prompt = b.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad_request("prompt must be a string (or give chat messages)", "prompt")
+    return TokenizeRequest(prompt, [], False)
+
+
+def parse_detokenize(body: object) -> list[int]:
+    b = _object(body)
+    _model(b)
+    tokens = b.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+        raise bad_request("tokens must be a list of token ids", "tokens")
+    return tokens
 
 
 # ---- pieces ------------------------------------------------------------------------------------
@@ -121,11 +165,6 @@ def _object(body: object) -> dict[str, Any]:
 
 
 def _refuse_unsupported(b: Mapping[str, Any]) -> None:
-    n = b.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise bad_request(f"n must be a positive integer, got {n!r}", "n")
-    if n is not None and n > 1:
-        raise bad_request("only n=1 is supported", "n", "unsupported_value")
     for name, neutral in _NEUTRAL.items():
         value = b.get(name)
         if value is not None and value != neutral and value not in ({}, []):
@@ -151,7 +190,8 @@ def _stream(b: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, _opt_bool(options, "include_usage", False)
 
 
-def _sampling(b: Mapping[str, Any], max_tokens: int | None, *, logprobs: bool) -> Sampling:
+def _sampling(b: Mapping[str, Any], max_tokens: int | None, *, logprobs: bool, top_logprobs: int) -> Sampling:
+    """The sampling fields; their ranges are the client library's message checks (a 400 either way)."""
     temperature = _opt_float(b, "temperature")
     top_p = _opt_float(b, "top_p")
     stop_ids = b.get("stop_token_ids") or []
@@ -168,7 +208,69 @@ def _sampling(b: Mapping[str, Any], max_tokens: int | None, *, logprobs: bool) -
         ignore_eos=_opt_bool(b, "ignore_eos", False),
         logprobs=logprobs,
         priority=_opt_int(b, "priority", None, None) or 0,
+        top_logprobs=top_logprobs,
+        presence_penalty=_opt_float(b, "presence_penalty") or 0.0,
+        frequency_penalty=_opt_float(b, "frequency_penalty") or 0.0,
+        repetition_penalty=_or(_opt_float(b, "repetition_penalty"), 1.0),
+        logit_bias=_logit_bias(b.get("logit_bias")),
+        min_tokens=_opt_int(b, "min_tokens", 0, MAX_NEW_TOKENS) or 0,
+        n=_opt_int(b, "n", 1, MAX_CHOICES) or 1,
+        guided=_guided(b),
     )
+
+
+def _guided(b: Mapping[str, Any]) -> Guided | None:
+    """OpenAI's response_format, or vLLM's guided_json / guided_regex / guided_choice (at most one)."""
+    given = [name for name in ("response_format", "guided_json", "guided_regex", "guided_choice")
+             if b.get(name) is not None and b.get(name) != {"type": "text"}]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"give at most one of {', '.join(given)}", given[1])
+    name = given[0]
+    value = b[name]
+    try:
+        if name == "guided_json":
+            if not isinstance(value, (dict, str)):
+                raise ValueError("guided_json must be a JSON schema (an object, or its text)")
+            return Guided.json(value)
+        if name == "guided_regex":
+            if not isinstance(value, str):
+                raise ValueError("guided_regex must be a string")
+            return Guided.regex(value)
+        if name == "guided_choice":
+            if not isinstance(value, list):
+                raise ValueError("guided_choice must be a list of strings")
+            return Guided.choice(value)
+        return _response_format(value)
+    except ValueError as exc:
+        raise bad_request(str(exc), name) from None
+
+
+def _response_format(value: object) -> Guided:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return Guided.json_object()
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
+        return Guided.json(schema)
+    raise ValueError("response_format type must be text, json_object or json_schema")
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def _logit_bias(bias: object) -> tuple[tuple[str, object], ...]:
+    """OpenAI's map of token ids (JSON object keys, so strings) to a bias; the client library checks both."""
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise bad_request("logit_bias must be an object mapping token ids to numbers", "logit_bias")
+    return tuple(bias.items())
 
 
 def _top_k(b: Mapping[str, Any]) -> int:

@@ -23,8 +23,8 @@ from loraplex.gpu_engine.model.batch import ForwardBatch, RowSpan
 from loraplex.gpu_engine.model.llama import LlamaModel
 from loraplex.gpu_engine.model.weights import ModelWeights
 from loraplex.gpu_engine.pool import UnifiedPool
-from loraplex.gpu_engine.sampler import sample
-from loraplex.ipc.engine_plan import RowPlan, RowResult, StepPlan, StepResult
+from loraplex.gpu_engine.sampler import Sampler
+from loraplex.ipc.engine_plan import RowPlan, StepPlan, StepResult
 
 
 @dataclass(slots=True)
@@ -60,6 +60,7 @@ class Executor:
         self.graphs: DecodeGraphRunner | None = None
         self.graph_info = DecodeGraphInfo(enabled=False, buckets=(), reason="not set up")
         self.bucket_steps = 0  # decode steps run through the bucket runner (replayed or padded eager)
+        self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids)
 
     def setup_decode_graphs(self, *, max_batch: int, max_model_len: int, max_lora_rank: int, enabled: bool = True,
                             pad_eager: bool = False) -> DecodeGraphInfo:
@@ -143,11 +144,7 @@ class Executor:
         # On CUDA the forward is only enqueued: the watchdog must follow the CPU sites before anything syncs.
         watchdog = cpu.start_watchdog() if cpu is not None else None
         t1 = time.perf_counter()
-        tokens, logprobs = sample(logits, [r.sampling for r in sampled_rows], [r.sample_index for r in sampled_rows])
-        rows = [
-            RowResult(request_id=r.request_id, token_id=t, logprob=lp if r.sampling.logprobs else None)
-            for r, t, lp in zip(sampled_rows, tokens, logprobs)
-        ]
+        rows = self.sampler.sample(logits, ordered, sampled_rows)
         t2 = time.perf_counter()
         if watchdog is not None:
             watchdog.join()

@@ -83,6 +83,7 @@ def build_runtime(spec: EngineSpec, *, max_num_seqs: int | None = None) -> Engin
         num_pages = max(1, UnifiedPool.pages_for_bytes(config.num_layers, geometry, dtype, pool_bytes) - 1)
     executor = Executor(config, weights, geometry, num_pages, device=device, dtype=dtype,
                         lora_backend=spec.lora_backend, load_throttle_bytes_s=spec.load_throttle_bytes_s)
+    executor.sampler.tokenizer_json = model_dir / "tokenizer.json"  # structured output compiles against it
     limit = min(config.max_position_embeddings, num_pages * geometry.page_tokens)
     max_model_len = min(spec.max_model_len, limit) if spec.max_model_len else limit
     executor.setup_decode_graphs(max_batch=max_num_seqs or spec.max_num_seqs, max_model_len=max_model_len,

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from loraplex.ipc.client_async import AsyncAdminClient, AsyncClient, AsyncStream
 from loraplex.ipc.client_sync import AdminClient, Client, Stream
-from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk, new_request_id
+from loraplex.ipc.client_types import AdapterInfo, Choice, GenerateResult, Liveness, StreamChunk, Tokenized, new_request_id
 from loraplex.ipc.errors import ErrorCode, LoraplexError
+from loraplex.ipc.guided import Guided
+from loraplex.ipc.protocol import TopLogprobs
 
 __all__ = [
     "AdapterInfo",
@@ -28,12 +30,16 @@ __all__ = [
     "AsyncAdminClient",
     "AsyncClient",
     "AsyncStream",
+    "Choice",
     "Client",
     "ErrorCode",
     "GenerateResult",
+    "Guided",
     "Liveness",
     "LoraplexError",
     "Stream",
     "StreamChunk",
+    "Tokenized",
+    "TopLogprobs",
     "new_request_id",
 ]

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, Sequence, TypeVar
+from typing import Any, Mapping, Sequence, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -36,8 +36,9 @@ from loraplex.ipc.client_core import (
     send_failed,
     timed_out,
 )
-from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk
+from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk, Tokenized
 from loraplex.ipc.curve import CurveClientKeys, check_tcp_endpoint
+from loraplex.ipc.guided import Guided
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.protocol import CancelRequest, GenerateRequest, Message, PolicyKind
 from loraplex.ipc.socket_options import SocketLimits
@@ -235,7 +236,7 @@ class AsyncStream:
         self.request_id = request.request_id
         self._timeout = timeout
         self._deadline: float | None = None
-        self._assembler = StreamAssembler(request.request_id, request.logprobs)
+        self._assembler = StreamAssembler(request)
         self._replies: asyncio.Queue[Item] | None = None
         self._finished = False
 
@@ -345,6 +346,14 @@ class _AsyncBase:
         """The registered adapters."""
         return await self._call(calls.list_adapters(timeout))
 
+    async def tokenize(self, text: str, *, timeout: float | None = CONTROL_TIMEOUT_S) -> Tokenized:
+        """`text`'s token ids under the daemon's tokenizer (as a prompt gets them), and the context length."""
+        return await self._call(calls.tokenize(text, timeout))
+
+    async def detokenize(self, token_ids: Sequence[int], *, timeout: float | None = CONTROL_TIMEOUT_S) -> str:
+        """The text of `token_ids` (special tokens kept)."""
+        return await self._call(calls.detokenize(token_ids, timeout))
+
     async def stats(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
         """One snapshot of the daemon's metrics."""
         return await self._call(calls.stats(timeout))
@@ -367,13 +376,18 @@ class AsyncClient(_AsyncBase):
         seed: int | None = None,
         stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
-        timeout: float | None = None, request_id: str | None = None,
+        timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
+        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
+        guided: Guided | None = None,
     ) -> GenerateResult:
         """As Client.generate. Cancelling the awaiting task cancels the request."""
         request = generate_request(
             prompt, request_id=request_id, adapter=adapter, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=False,
+            top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n, guided=guided,
         )
         stream = AsyncStream(self, request, timeout)
         async for _ in stream:
@@ -389,13 +403,18 @@ class AsyncClient(_AsyncBase):
         seed: int | None = None,
         stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
-        timeout: float | None = None, request_id: str | None = None,
+        timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
+        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
+        guided: Guided | None = None,
     ) -> AsyncStream:
         """As Client.stream, but an AsyncStream: `async for chunk in client.stream(...)`."""
         request = generate_request(
             prompt, request_id=request_id, adapter=adapter, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=True,
+            top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n, guided=guided,
         )
         return AsyncStream(self, request, timeout)
 

@@ -10,11 +10,17 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Sequence, TypeVar, Union
+from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar, Union
 
-from loraplex.ipc.client_types import AdapterInfo, GenerateResult, StreamChunk, new_request_id
+from loraplex.ipc.client_types import AdapterInfo, Choice, GenerateResult, StreamChunk, Tokenized, new_request_id
 from loraplex.ipc.errors import ErrorCode, LoraplexError
+from loraplex.ipc.guided import Guided
 from loraplex.ipc.protocol import (
+    DetokenizedReply,
+    DetokenizeRequest,
+    TokenizedReply,
+    TokenizeRequest,
+    TopLogprobs,
     MAX_DEADLINE_MS,
     AdaptersReply,
     AddAdapterRequest,
@@ -95,6 +101,16 @@ def list_adapters(timeout: float | None) -> Call[list[AdapterInfo]]:
                 lambda reply: [AdapterInfo.from_entry(entry) for entry in reply.adapters], timeout)
 
 
+def tokenize(text: str, timeout: float | None) -> Call[Tokenized]:
+    return Call(TokenizeRequest(request_id=new_request_id(), prompt=text), TokenizedReply,
+                lambda reply: Tokenized(list(reply.token_ids), reply.max_model_len), timeout)
+
+
+def detokenize(token_ids: Sequence[int], timeout: float | None) -> Call[str]:
+    return Call(DetokenizeRequest(request_id=new_request_id(), token_ids=list(token_ids)), DetokenizedReply,
+                lambda reply: reply.text, timeout)
+
+
 def stats(timeout: float | None) -> Call[dict[str, object]]:
     return Call(StatsRequest(request_id=new_request_id()), StatsReply, lambda reply: dict(reply.stats), timeout)
 
@@ -149,11 +165,19 @@ def generate_request(
     slo_ttft_ms: float | None,
     timeout: float | None,
     stream: bool,
+    top_logprobs: int = 0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int = 0,
+    n: int = 1,
+    guided: Guided | None = None,
 ) -> GenerateRequest:
     """The validated `generate` message for the client methods' arguments.
 
-    Requests logprobs as a stream even for a plain generate, because only
-    `token` chunks carry logprobs. The timeout also becomes the daemon-side
+    Requests logprobs (and top_logprobs) as a stream even for a plain generate,
+    because only `token` chunks carry them. logit_bias: token id -> bias. The timeout also becomes the daemon-side
     deadline, so a timed-out request is dropped there even if our cancel is lost.
     Raises ValueError (ProtocolError for fields) for out-of-range arguments.
     """
@@ -178,21 +202,53 @@ def generate_request(
         stop=[stop] if isinstance(stop, str) else list(stop or ()),
         stop_token_ids=list(stop_token_ids or ()),
         ignore_eos=ignore_eos,
-        stream=stream or logprobs,
+        stream=stream or logprobs or top_logprobs > 0,
         logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        logit_bias=_bias_map(logit_bias),
+        min_tokens=min_tokens,
+        n=n,
+        guided_kind=guided.kind if guided is not None else None,
+        guided_spec=guided.spec if guided is not None else "",
         priority=priority,
         slo_ttft_ms=slo_ttft_ms,
         deadline_ms=deadline_ms,
     )
 
 
+def _bias_map(logit_bias: Mapping[int, float] | Mapping[str, float] | None) -> dict[str, float]:
+    """The wire's logit_bias: decimal token id strings (as OpenAI's JSON keys) -> bias; the
+    message checks the ids and the biases."""
+    if not logit_bias:
+        return {}
+    out = {}
+    for token, bias in logit_bias.items():
+        if isinstance(token, bool) or not isinstance(token, (int, str)):
+            raise ValueError(f"logit_bias: keys must be token ids, got {token!r}")
+        out[str(token)] = bias
+    return out
+
+
 class StreamAssembler:
     """Turns the replies of one generate into chunks, then one result."""
 
-    def __init__(self, request_id: str, want_logprobs: bool) -> None:
-        self.request_id = request_id
+    def __init__(self, request: GenerateRequest) -> None:
+        self.request_id = request.request_id
         self.result: GenerateResult | None = None
-        self._logprobs: list[float] | None = [] if want_logprobs else None
+        want_logprobs = request.logprobs or request.top_logprobs > 0
+        # Per choice, from the token chunks (the done reply carries neither).
+        self._logprobs: list[list[float]] | None = [[] for _ in range(request.n)] if want_logprobs else None
+        self._top: list[list[TopLogprobs]] | None = [[] for _ in range(request.n)] \
+            if request.top_logprobs > 0 else None
+
+    def _choice_logprobs(self, index: int) -> list[float] | None:
+        return self._logprobs[index] if self._logprobs is not None and index < len(self._logprobs) else None
+
+    def _choice_top(self, index: int) -> list[TopLogprobs] | None:
+        return self._top[index] if self._top is not None and index < len(self._top) else None
 
     def finished_result(self) -> GenerateResult:
         if self.result is None:
@@ -203,9 +259,12 @@ class StreamAssembler:
         """The chunk in `item`; None once `item` finished the request (see
         `.result`); raises LoraplexError for an error reply or local failure."""
         if isinstance(item, TokenChunk):
-            if self._logprobs is not None and item.logprobs is not None:
-                self._logprobs.extend(item.logprobs)
-            return StreamChunk(item.request_id, item.token_ids, item.text, item.index, item.logprobs)
+            if self._logprobs is not None and item.logprobs is not None and item.choice < len(self._logprobs):
+                self._logprobs[item.choice].extend(item.logprobs)
+            if self._top is not None and item.top_logprobs is not None and item.choice < len(self._top):
+                self._top[item.choice].extend(item.top_logprobs)
+            return StreamChunk(item.request_id, item.token_ids, item.text, item.index, item.logprobs,
+                               item.top_logprobs, item.choice)
         done = expect(item, DoneReply, self.request_id)
         self.result = GenerateResult(
             request_id=done.request_id,
@@ -214,6 +273,12 @@ class StreamAssembler:
             finish_reason=done.finish_reason,
             usage=dict(done.usage),
             timings=dict(done.timings),
-            logprobs=self._logprobs,
+            logprobs=self._choice_logprobs(0),
+            top_logprobs=self._choice_top(0),
+            choices=[Choice(c.index, c.text, list(c.token_ids), c.finish_reason, self._choice_logprobs(c.index),
+                            self._choice_top(c.index)) for c in done.choices]
+            if done.choices is not None else
+            [Choice(0, done.text, list(done.token_ids), done.finish_reason, self._choice_logprobs(0),
+                    self._choice_top(0))],
         )
         return None

@@ -14,7 +14,7 @@ import os
 import queue
 import threading
 import time
-from typing import Sequence, TypeVar
+from typing import Mapping, Sequence, TypeVar
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -37,8 +37,9 @@ from loraplex.ipc.client_core import (
     send_failed,
     timed_out,
 )
-from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk
+from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk, Tokenized
 from loraplex.ipc.curve import CurveClientKeys
+from loraplex.ipc.guided import Guided
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.protocol import CancelRequest, GenerateRequest, Message, PolicyKind
 from loraplex.ipc.socket_options import SocketLimits
@@ -246,7 +247,7 @@ class Stream:
         self.request_id = request.request_id
         self._timeout = timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._assembler = StreamAssembler(request.request_id, request.logprobs)
+        self._assembler = StreamAssembler(request)
         self._open = False
         self._replies = self._transport.start(request, request.request_id, cancellable=True)
         self._open = True
@@ -349,6 +350,14 @@ class _SyncBase:
         """The registered adapters."""
         return self._call(calls.list_adapters(timeout))
 
+    def tokenize(self, text: str, *, timeout: float | None = CONTROL_TIMEOUT_S) -> Tokenized:
+        """`text`'s token ids under the daemon's tokenizer (as a prompt gets them), and the context length."""
+        return self._call(calls.tokenize(text, timeout))
+
+    def detokenize(self, token_ids: Sequence[int], *, timeout: float | None = CONTROL_TIMEOUT_S) -> str:
+        """The text of `token_ids` (special tokens kept)."""
+        return self._call(calls.detokenize(token_ids, timeout))
+
     def stats(self, *, timeout: float | None = CONTROL_TIMEOUT_S) -> dict[str, object]:
         """One snapshot of the daemon's metrics."""
         return self._call(calls.stats(timeout))
@@ -380,11 +389,16 @@ class Client(_SyncBase):
         seed: int | None = None,
         stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
-        timeout: float | None = None, request_id: str | None = None,
+        timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
+        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
+        guided: Guided | None = None,
     ) -> GenerateResult:
         """Generate a completion of `prompt` (text or token ids) with `adapter`
         (None: the base model) and wait for it.
 
+        top_logprobs, the penalties, logit_bias (token id -> bias), min_tokens, n (GenerateResult.choices)
+        and guided (Guided.json(schema), .regex(...), ...) act as in vLLM (ipc.messages.client.GenerateRequest).
         max_tokens: new tokens at most; None fills what the context leaves after
         the prompt. A prompt plus max_tokens longer than the model's context
         fails at once with LoraplexError(context_length_exceeded), as vLLM's 400.
@@ -399,6 +413,8 @@ class Client(_SyncBase):
             prompt, request_id=request_id, adapter=adapter, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=False,
+            top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n, guided=guided,
         )
         stream = Stream(self, request, timeout)
         with stream:
@@ -415,7 +431,10 @@ class Client(_SyncBase):
         seed: int | None = None,
         stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
-        timeout: float | None = None, request_id: str | None = None,
+        timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
+        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
+        guided: Guided | None = None,
     ) -> Stream:
         """As generate(), but returns at once with a Stream of chunks; the
         request is sent before this returns. See Stream for the end convention."""
@@ -423,6 +442,8 @@ class Client(_SyncBase):
             prompt, request_id=request_id, adapter=adapter, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=True,
+            top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n, guided=guided,
         )
         return Stream(self, request, timeout)
 

@@ -9,6 +9,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from loraplex.ipc.protocol import TopLogprobs
+
 REQUEST_ID_PREFIX = "lpx-"
 PROBE_ID_PREFIX = "lpx-probe-"
 
@@ -21,13 +23,36 @@ def new_request_id(prefix: str = REQUEST_ID_PREFIX) -> str:
 @dataclass(frozen=True, slots=True)
 class StreamChunk:
     """Tokens of one `token` reply. `index` is the completion position of the
-    first token; `logprobs` has one entry per token id when requested."""
+    first token; `logprobs` has one entry per token id when requested, and so
+    has `top_logprobs` (the most likely alternatives) when requested."""
 
     request_id: str
     token_ids: list[int]
     text: str
     index: int
     logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    choice: int = 0  # which of the request's n completions
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    """A text's token ids under the daemon's tokenizer, and the context it serves."""
+
+    token_ids: list[int]
+    max_model_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One of the n completions of a generate; logprobs/top_logprobs as in GenerateResult."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +63,10 @@ class GenerateResult:
     usage: prompt_tokens, completion_tokens (and whatever else the daemon counts).
     timings: milliseconds queue_ms, e2e_ms (always), ttft_ms, tpt_ms (once a
     token was produced) and adapter_path ("base", "cached", "loaded" or
-    "cpu_assisted"). logprobs: one per completion token when requested, else None.
+    "cpu_assisted"). logprobs: one per completion token when requested, else None;
+    top_logprobs: likewise, each the alternatives at that position. choices: every
+    completion when n > 1 (text, token_ids, finish_reason and the logprobs above are
+    choice 0's; usage counts all of them); the one choice otherwise.
     """
 
     request_id: str
@@ -48,6 +76,8 @@ class GenerateResult:
     usage: dict[str, int]
     timings: dict[str, float | str]
     logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    choices: list[Choice] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

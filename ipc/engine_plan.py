@@ -10,17 +10,93 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# Bounds of the sampling options (one source: the client message declares its fields with these).
+MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's limit
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI)
+MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, MAX_REPETITION_PENALTY]; 1 disables it
+MAX_LOGIT_BIAS = 100.0  # each bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI)
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_MIN_TOKENS = 1_000_000
+# Structured output: what constrains a row's tokens (vLLM's guided decoding). The spec is a JSON
+# schema (json_schema), a regular expression (regex), a JSON list of strings (choice), or empty
+# (json_object: any JSON object).
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice")
+MAX_GUIDED_SPEC = 64 * 1024
+MAX_GUIDED_CHOICES = 256
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingSpec:
     """Per-request sampling; temperature 0 means greedy. Stateless: the engine
     derives the random stream of token k from (seed, k), so a recomputed request
-    samples the same tokens."""
+    samples the same tokens.
+
+    The logits are processed in this order before temperature, top-k and top-p:
+    `logit_bias` (token id -> bias, as two lists) is added; while fewer than
+    `min_tokens` tokens were sampled, EOS (unless `ignore_eos`) and
+    `stop_token_ids` are masked; then repetition_penalty (vLLM/HF: a seen
+    token's positive logit is divided by it, a negative one multiplied; prompt
+    and output count as seen), frequency_penalty (times the token's count in
+    the output) and presence_penalty (once per token present in the output)
+    are subtracted; a guided row (guided_kind, guided_spec) then masks every
+    token its grammar does not allow. `logprobs` and the `top_logprobs`
+    alternatives (0..20) are those of the model's raw distribution, before any
+    of that (vLLM's default).
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     seed: int = 0
     logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias_ids: list[int] = field(default_factory=list)
+    logit_bias_values: list[float] = field(default_factory=list)
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    guided_kind: str = ""  # "" or one of GUIDED_KINDS
+    guided_spec: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [{-MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], "
+                             f"got {self.repetition_penalty}")
+        if len(self.logit_bias_ids) != len(self.logit_bias_values):
+            raise ValueError("logit_bias_ids and logit_bias_values must have the same length")
+        if len(self.logit_bias_ids) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+        if any(not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in self.logit_bias_values):
+            raise ValueError(f"logit_bias values must be in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
+        if not 0 <= self.min_tokens <= MAX_MIN_TOKENS:
+            raise ValueError(f"min_tokens must be in [0, {MAX_MIN_TOKENS}], got {self.min_tokens}")
+        if self.guided_kind not in ("",) + GUIDED_KINDS:
+            raise ValueError(f"guided_kind must be one of {GUIDED_KINDS}, got {self.guided_kind[:32]!r}")
+        if len(self.guided_spec) > MAX_GUIDED_SPEC:
+            raise ValueError(f"guided_spec: at most {MAX_GUIDED_SPEC} characters")
+
+    @property
+    def penalised(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling needs the tokens this request has seen (penalties, a grammar's state)."""
+        return self.penalised or bool(self.guided_kind)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits change before temperature (penalties, bias, min_tokens, a grammar)."""
+        return self.penalised or bool(self.logit_bias_ids) or self.min_tokens > 0 or bool(self.guided_kind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +163,10 @@ class RowResult:
     request_id: str
     token_id: int
     logprob: float | None
+    # The `top_logprobs` most likely tokens of the raw distribution, most likely first (empty when not asked).
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+    error: str = ""  # this row could not be sampled (its grammar did not compile): the request fails
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from loraplex.ipc.messages.base import (
 from loraplex.ipc.messages.cache import CacheHello, CacheStoreFull
 from loraplex.ipc.messages.checks import MAX_PATH_LEN, MAX_REQUEST_ID_LEN, MAX_TOKEN_ID, is_valid_request_id
 from loraplex.ipc.messages.client import (
+    MAX_CHOICES,
     MAX_DEADLINE_MS,
     MAX_NEW_TOKENS,
     MAX_PROMPT_TOKEN_IDS,
@@ -40,10 +41,12 @@ from loraplex.ipc.messages.client import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     CancelRequest,
+    DetokenizeRequest,
     GenerateRequest,
     ListAdaptersRequest,
     PingRequest,
     StatsRequest,
+    TokenizeRequest,
 )
 from loraplex.ipc.messages.cpu import (
     FAILURE_CODES as CPU_FAILURE_CODES,
@@ -70,12 +73,17 @@ from loraplex.ipc.messages.replies import (
     ADAPTER_PATHS,
     FINISH_REASONS,
     MAX_ERROR_MESSAGE_LEN,
+    MAX_TOKEN_TEXT_LEN,
     AdaptersReply,
+    ChoiceOutcome,
+    DetokenizedReply,
     DoneReply,
     ErrorReply,
     PongReply,
     StatsReply,
     TokenChunk,
+    TokenizedReply,
+    TopLogprobs,
 )
 
 # The requests each socket accepts; the daemon answers anything else with
@@ -83,6 +91,8 @@ from loraplex.ipc.messages.replies import (
 # socket.
 CLIENT_REQUESTS: tuple[type[Message], ...] = (
     GenerateRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
     CancelRequest,
     ListAdaptersRequest,
     StatsRequest,
@@ -124,9 +134,11 @@ __all__ = [
     "ADMIN_REQUESTS",
     "CLIENT_REQUESTS",
     "FINISH_REASONS",
+    "MAX_CHOICES",
     "MAX_DEADLINE_MS",
     "MAX_DRAIN_TIMEOUT_S",
     "MAX_ERROR_MESSAGE_LEN",
+    "MAX_TOKEN_TEXT_LEN",
     "MAX_NEW_TOKENS",
     "MAX_PATH_LEN",
     "MAX_PROMPT_TOKEN_IDS",
@@ -143,6 +155,9 @@ __all__ = [
     "AddAdapterRequest",
     "AdminOkReply",
     "CancelRequest",
+    "ChoiceOutcome",
+    "DetokenizeRequest",
+    "DetokenizedReply",
     "DoneReply",
     "DrainRequest",
     "ErrorReply",
@@ -158,6 +173,9 @@ __all__ = [
     "StatsReply",
     "StatsRequest",
     "TokenChunk",
+    "TokenizeRequest",
+    "TokenizedReply",
+    "TopLogprobs",
     "build",
     "is_valid_request_id",
     "message_class",

@@ -20,11 +20,13 @@ ENGINE_MODULES = ("torch", "safetensors")
 ENGINE_INSTALL = "pip install 'loraplex[engine]'"
 
 # Names the root hands on lazily: name -> the module that defines it.
-_LAZY = {"LLM": "loraplex.offline", "RequestOutput": "loraplex.offline", "SamplingParams": "loraplex.offline"}
+_LAZY = {"LLM": "loraplex.offline", "RequestOutput": "loraplex.offline", "SamplingParams": "loraplex.offline",
+         "Guided": "loraplex.ipc.guided"}
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Guided", "RequestOutput", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
+    from loraplex.ipc.guided import Guided
     from loraplex.offline import LLM, RequestOutput, SamplingParams
 
 

@@ -228,26 +228,53 @@ def _configure_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 disables it (vLLM)")
+    parser.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                        help="add BIAS in [-100, 100] to token ID's logit (repeatable)")
+    parser.add_argument("--n", type=int, default=1, help="completions of the prompt (each printed in turn)")
+    guided = parser.add_mutually_exclusive_group()
+    guided.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                        help="structured output: text that validates against this JSON schema (its JSON text)")
+    guided.add_argument("--json-object", action="store_true", help="structured output: any JSON object")
+    guided.add_argument("--regex", default=None, help="structured output: text matching this regular expression")
+    guided.add_argument("--choice", action="append", default=None, help="structured output: one of these (repeatable)")
+    parser.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help="print each token's logprob and its N most likely alternatives (0..20)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from loraplex.generate_options import guided_from, logit_bias_from, print_logprobs
     from loraplex.ipc.client import LoraplexError
 
-    options = dict(adapter=args.adapter, max_tokens=args.max_tokens, temperature=args.temperature,
-                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or None,
-                   ignore_eos=args.ignore_eos, timeout=args.timeout)
     try:
+        options = dict(adapter=args.adapter, max_tokens=args.max_tokens, temperature=args.temperature,
+                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or None,
+                       ignore_eos=args.ignore_eos, timeout=args.timeout, min_tokens=args.min_tokens,
+                       presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                       repetition_penalty=args.repetition_penalty, logit_bias=logit_bias_from(args.logit_bias),
+                       logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0, n=args.n,
+                       guided=guided_from(args))
         with _client(args) as client:
             if args.stream:
                 stream = client.stream(args.prompt, **options)
                 for chunk in stream:
-                    print(chunk.text, end="", flush=True)
+                    if chunk.choice == 0:  # the others are printed once they are complete
+                        print(chunk.text, end="", flush=True)
                 print()
                 result = stream.finished_result()
             else:
                 result = client.generate(args.prompt, **options)
                 print(result.text)
+            for choice in result.choices:
+                if choice.index:
+                    print(f"--- choice {choice.index} [{choice.finish_reason}]")
+                    print(choice.text)
+                if args.logprobs is not None:
+                    print_logprobs(choice)
     except (LoraplexError, ValueError) as exc:
         print(f"loraplex generate: error: {exc}", file=sys.stderr)
         return 1

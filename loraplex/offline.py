@@ -14,7 +14,7 @@ import math
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Mapping, Sequence as Seq
 
 from loraplex.contracts.names import NAME_RULE, is_valid_name
 from loraplex.daemon.memory.allocator import PageAllocator
@@ -25,6 +25,7 @@ from loraplex.errors import AdapterError, InvalidTokenError, PromptTooLongError,
 from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
 from loraplex.gpu_engine.runtime import build_runtime
 from loraplex.ipc.engine_plan import SamplingSpec
+from loraplex.ipc.guided import Guided
 
 Prompt = str | list[int]
 
@@ -41,6 +42,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+    min_tokens: int = 0
+    guided: Guided | None = None  # structured output: Guided.json(schema), .regex(...), .choice([...])
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -54,6 +62,22 @@ class SamplingParams:
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", {int(t): float(b) for t, b in (self.logit_bias or {}).items()})
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        self.spec(0)  # the engine's own bounds (top_logprobs, penalties, logit_bias, min_tokens)
+
+    def spec(self, seed: int) -> SamplingSpec:
+        """What the engine samples with."""
+        bias = self.logit_bias or {}
+        return SamplingSpec(temperature=0.0 if self.greedy else self.temperature, top_p=self.top_p, top_k=self.top_k,
+                            seed=seed, logprobs=self.logprobs or self.top_logprobs > 0, top_logprobs=self.top_logprobs,
+                            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                            repetition_penalty=self.repetition_penalty, logit_bias_ids=list(bias),
+                            logit_bias_values=list(bias.values()), min_tokens=self.min_tokens,
+                            stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                            guided_kind=self.guided.kind if self.guided else "",
+                            guided_spec=self.guided.spec if self.guided else "")
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +93,7 @@ class RequestOutput:
     text: str
     logprobs: list[float] | None
     finish_reason: str
+    top_logprobs: list[dict[int, float]] | None = None  # per token: the most likely token ids -> logprob
 
 
 class LLM:
@@ -188,8 +213,17 @@ class LLM:
         if adapter is not None and adapter not in self.executor.host:
             raise UnknownAdapterError(f"unknown adapter {adapter!r}; added: {self.adapters()}")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        spec = SamplingSpec(temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
-                            top_k=params.top_k, seed=seed, logprobs=params.logprobs)
+        bad = [t for t in (*(params.logit_bias or {}), *params.stop_token_ids) if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidTokenError(f"token id {bad[0]} in logit_bias or stop_token_ids is outside the vocabulary")
+        spec = params.spec(seed)
+        if params.guided is not None:  # refused here, with the compiler's reason, rather than mid-batch
+            from loraplex.gpu_engine.grammar import GrammarError
+
+            try:
+                self.executor.sampler.grammars.compile(params.guided.kind, params.guided.spec)
+            except GrammarError as exc:
+                raise ValueError(str(exc)) from None
         return SeqRequest(request_id=f"offline-{next(self._ids)}", prompt_ids=ids, adapter=adapter, sampling=spec,
                           max_tokens=params.max_tokens, stop_token_ids=frozenset(params.stop_token_ids),
                           ignore_eos=params.ignore_eos)
@@ -215,6 +249,7 @@ class LLM:
             text=self.decode(seq.output_ids),
             logprobs=[float(lp) for lp in seq.logprobs] if seq.req.sampling.logprobs else None,
             finish_reason=seq.finish_reason or "unknown",
+            top_logprobs=list(seq.top_logprobs) if seq.req.sampling.top_logprobs else None,
         )
 
 

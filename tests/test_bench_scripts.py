@@ -181,3 +181,16 @@ def test_many_adapters_small_json(cache: Path) -> None:
         assert set(r["ttft_ms"]["cold_tiers"]) <= {"gpu", "host", "disk"}
         counts = r["adapter_counts"]
         assert counts["total"] == r["n"] and sum(counts["tiers"].values()) == r["n"] and counts["error"] == 0
+
+
+def test_grammar_mask_reports_both_libraries(tmp_path):
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("llguidance")
+    report = run_json("grammar_mask.py", ["--steps", "3", "--repeats", "1", "--batch", "4", "--big-vocab", "700",
+                                          "--corpus-mb", "0.05"], tmp_path)
+    assert set(report["libraries"]) == {"xgrammar", "llguidance"} and report["batch"] == 4
+    for by_vocab in report["libraries"].values():
+        assert len(by_vocab) == 2
+        for modes in by_vocab.values():
+            assert set(modes) == {"per_row", "batch_call"}
+            assert all(positive(r["step_ms_p50"]) and positive(r["per_row_us"]) for r in modes.values())

@@ -229,7 +229,7 @@ def test_errors_are_openai_errors(client):
         assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
         assert "at most 4093 new tokens fit" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=BASE, prompt="x", n=2)
+        client.completions.create(model=BASE, prompt="x", n=500)
     assert info.value.param == "n"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=BASE, prompt=[1, 2, 100_000], max_tokens=2)

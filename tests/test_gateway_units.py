@@ -7,6 +7,8 @@ import asyncio
 import json
 
 import pytest
+
+from loraplex.ipc.guided import Guided
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,14 +36,25 @@ def test_completion_request_defaults_and_prompt_shapes():
     assert parse_completion({"prompt": "x", "stop": ["a", "b"]}).sampling.stop == ("a", "b")
     req = parse_completion({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
     assert req.stream and req.include_usage
+    req = parse_completion({"prompt": "x", "logprobs": 3, "presence_penalty": 0.5, "frequency_penalty": -1,
+                            "repetition_penalty": 1.1, "logit_bias": {"5": -100}, "min_tokens": 2, "echo": False})
+    s = req.sampling
+    assert (s.logprobs, s.top_logprobs, s.presence_penalty, s.frequency_penalty, s.repetition_penalty,
+            s.min_tokens) == (True, 3, 0.5, -1.0, 1.1, 2)
+    assert s.client_kwargs()["logit_bias"] == {"5": -100} and not req.echo
+    assert parse_completion({"prompt": "x", "echo": True}).echo
+    assert parse_completion({"prompt": "x", "n": 3}).sampling.client_kwargs()["n"] == 3
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 129}, "n"),
+    ({"prompt": ["a", "b"], "n": 100}, "n"),
     ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "logit_bias": [1]}, "logit_bias"),
+    ({"prompt": "x", "presence_penalty": "high"}, "presence_penalty"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "stop": 3}, "stop"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -67,13 +80,31 @@ def test_chat_request_flattens_text_parts_and_refuses_the_rest():
     ], "max_completion_tokens": 9, "logprobs": True})
     assert [m["content"] for m in req.messages] == ["be brief", "a\nb", ""]
     assert req.sampling.max_tokens == 9 and req.sampling.logprobs and req.add_generation_prompt
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                       "top_logprobs": 4}).sampling.top_logprobs == 4
+    user = [{"role": "user", "content": "x"}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    assert parse_chat({"messages": user, "response_format": fmt}).sampling.guided == Guided.json(schema)
+    assert parse_chat({"messages": user, "response_format": {"type": "json_object"}}).sampling.guided == \
+        Guided.json_object()
+    assert parse_chat({"messages": user, "response_format": {"type": "text"}}).sampling.guided is None
+    assert parse_completion({"prompt": "x", "guided_choice": ["a", "b"]}).sampling.guided == Guided.choice(["a", "b"])
+    assert parse_completion({"prompt": "x", "guided_regex": "[0-9]+"}).sampling.client_kwargs()["guided"] == \
+        Guided.regex("[0-9]+")
     # Without max_tokens a chat fills what the context leaves (vLLM), which only the daemon knows.
     assert parse_chat({"messages": [{"role": "user", "content": "x"}]}).sampling.max_tokens is None
     for bad in ({"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
                 {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                 {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+                {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+                {"messages": [{"role": "user", "content": "x"}], "echo": True},
                 {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-                {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}):
+                {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+                {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}},
+                {"messages": [{"role": "user", "content": "x"}], "guided_choice": []},
+                {"messages": [{"role": "user", "content": "x"}], "guided_regex": "a", "guided_choice": ["a"]},
+                {"messages": [{"role": "user", "content": "x"}], "guided_json": "[1"}):
         with pytest.raises(ApiError):
             parse_chat(bad)
 

@@ -327,7 +327,7 @@ class BaseScheduler(ABC):
     def _reuse_prefix(self, seq: Sequence, n: int) -> int:
         """A sequence entering the batch with no KV takes the longest cached prefix of its tokens
         (computed with its adapter) as computed; returns the tokens to feed now, at most `n`."""
-        if self.prefix is None or seq.kv_pages or seq.num_computed:
+        if not self._may_reuse_prefix(seq):
             return n
         pages = self.prefix.match(seq.req.adapter, seq.token_slice(0, seq.num_tokens), self._merged(seq))
         if not pages:
@@ -339,10 +339,17 @@ class BaseScheduler(ABC):
             seq.cached_tokens = seq.num_computed
         return min(n, seq.num_uncomputed)
 
+    def _may_reuse_prefix(self, seq: Sequence) -> bool:
+        """A sequence with no KV may start from cached pages, unless its sampling needs every token
+        it has seen fed to the engine (penalties, a grammar: the sampler rebuilds that history
+        from the rows it runs, so such a request computes its whole prompt)."""
+        return (self.prefix is not None and not seq.kv_pages and not seq.num_computed
+                and not seq.req.sampling.needs_history)
+
     def _prefix_in_flight(self, seq: Sequence) -> bool:
         """Whether a running sequence with the same adapter is computing, in its prefill, the next
         full page of `seq`'s prompt that the prefix cache does not hold yet."""
-        if self.prefix is None or seq.kv_pages or seq.num_computed:
+        if not self._may_reuse_prefix(seq):
             return False
         size = self.geometry.page_tokens
         prompt = seq.req.prompt_ids
@@ -536,10 +543,16 @@ class BaseScheduler(ABC):
             out = sampled.get(row.request_id)
             if not row.sample or out is None:
                 continue
+            if out.error:  # the engine could not sample it (its grammar): it fails
+                self._finish(seq, "error")
+                finished.append(seq)
+                continue
             if seq.first_token_at is None:
                 seq.first_token_at = self._clock()
             seq.output_ids.append(out.token_id)
             seq.logprobs.append(out.logprob)
+            if out.top_ids:
+                seq.top_logprobs.append(dict(zip(out.top_ids, out.top_logprobs)))
             reason = self._finish_reason(seq, out.token_id)
             if reason is not None:
                 self.predictor.observe(seq.req.adapter, len(seq.output_ids))

@@ -38,6 +38,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked for
     kv_pages: list[int] = field(default_factory=list)
     num_computed: int = 0
     finish_reason: str | None = None

@@ -1,6 +1,6 @@
 """Replies the daemon sends on the client socket (and, for stats, on PUB).
 
-Owns token/done/error/adapter_list/stats_snapshot/pong and their rules,
+Owns token/done/tokenized/detokenized/error/adapter_list/stats_snapshot/pong and their rules,
 plus the conversions between error replies and exceptions. Never decides
 what a reply should say; the daemon does.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+from loraplex.ipc.engine_plan import MAX_TOP_LOGPROBS
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.messages.base import Message, register
 from loraplex.ipc.messages.checks import (
@@ -25,6 +26,7 @@ from loraplex.ipc.messages.checks import (
 from loraplex.ipc.messages.fields import Rule
 
 MAX_COMPLETION_TOKEN_IDS = 1 << 20
+MAX_TOKEN_TEXT_LEN = 1024  # one token decoded alone
 MAX_ERROR_MESSAGE_LEN = 4096
 # How the adapter reached the GPU for this request (README, "Adapter load modes").
 ADAPTER_PATHS = ("base", "cached", "loaded", "cpu_assisted", "merged")
@@ -37,12 +39,28 @@ TOKEN_TIMINGS = ("ttft_ms", "tpt_ms")
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
+@dataclass(frozen=True, slots=True)
+class TopLogprobs:
+    """The most likely tokens at one position of a completion, most likely first, with
+    their logprobs under the model's raw distribution; `texts`: each token decoded alone
+    (empty strings when the model has no tokenizer)."""
+
+    token_ids: Annotated[list[int], TokenIds(0, MAX_TOP_LOGPROBS)]
+    logprobs: Annotated[list[float], Length(0, MAX_TOP_LOGPROBS)]
+    texts: Annotated[list[Annotated[str, Length(0, MAX_TOKEN_TEXT_LEN)]], Length(0, MAX_TOP_LOGPROBS)]
+
+    def __post_init__(self) -> None:
+        if not len(self.token_ids) == len(self.logprobs) == len(self.texts):
+            raise ValueError("token_ids, logprobs and texts must have the same length")
+
+
 @register
 @dataclass(frozen=True, slots=True)
 class TokenChunk(Message):
     """Streamed tokens of one request. `index` is the position in the
     completion of this chunk's first token, so gaps are detectable.
-    `logprobs`, when requested, has one entry per token id."""
+    `logprobs`, when requested, has one entry per token id, and so has
+    `top_logprobs` when alternatives were requested."""
 
     TYPE = "token"
 
@@ -51,10 +69,24 @@ class TokenChunk(Message):
     text: str = ""
     logprobs: list[float] | None = None
     index: Annotated[int, AtLeast(0)] = 0
+    top_logprobs: list[TopLogprobs] | None = None
+    choice: Annotated[int, AtLeast(0)] = 0  # which of the request's n completions
 
     def validate(self) -> None:
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
             raise invalid(f"logprobs: {len(self.logprobs)} entries for {len(self.token_ids)} token ids")
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.token_ids):
+            raise invalid(f"top_logprobs: {len(self.top_logprobs)} entries for {len(self.token_ids)} token ids")
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceOutcome:
+    """How one of a request's n completions ended."""
+
+    index: Annotated[int, AtLeast(0)]
+    finish_reason: FinishReason
+    token_ids: Annotated[list[int], TokenIds(0, MAX_COMPLETION_TOKEN_IDS)]
+    text: str
 
 
 @register
@@ -67,6 +99,8 @@ class DoneReply(Message):
     timings: at least queue_ms, e2e_ms and adapter_path (one of
     ADAPTER_PATHS); ttft_ms and tpt_ms too once a token was produced. Numeric
     timings are milliseconds >= 0; extra keys are allowed.
+    choices: with n > 1, every completion in index order (the top-level
+    finish_reason, token_ids and text are choice 0's; usage counts them all).
     """
 
     TYPE = "done"
@@ -77,8 +111,11 @@ class DoneReply(Message):
     timings: dict[str, float | str]
     token_ids: Annotated[list[int], TokenIds(0, MAX_COMPLETION_TOKEN_IDS)] = field(default_factory=list)
     text: str = ""
+    choices: list[ChoiceOutcome] | None = None
 
     def validate(self) -> None:
+        if self.choices is not None and [c.index for c in self.choices] != list(range(len(self.choices))):
+            raise invalid("choices: indices must be 0..n-1 in order")
         for key in ("prompt_tokens", "completion_tokens"):
             if key not in self.usage:
                 raise invalid(f"usage: missing {key!r}")
@@ -94,6 +131,29 @@ class DoneReply(Message):
                 raise invalid(f"timings.{key}: must be >= 0, got {value}")
             elif key in required and not isinstance(value, float):
                 raise invalid(f"timings.{key}: must be a number of milliseconds, got {value!r}")
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class TokenizedReply(Message):
+    """The answer to `tokenize`; max_model_len: the context the daemon serves."""
+
+    TYPE = "tokenized"
+
+    request_id: RequestId
+    token_ids: Annotated[list[int], TokenIds(0, MAX_COMPLETION_TOKEN_IDS)]
+    max_model_len: Annotated[int, AtLeast(0)] = 0
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class DetokenizedReply(Message):
+    """The answer to `detokenize`."""
+
+    TYPE = "detokenized"
+
+    request_id: RequestId
+    text: str
 
 
 @register
