@@ -113,3 +113,30 @@ def test_tokens_and_logprobs_are_the_same_with_the_prefix_cache_on_and_off(demo,
     for a, b in zip(on, off):
         assert a.token_ids == b.token_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_n_siblings_share_the_prompt_and_penalised_requests_compute_it(demo, tmp_path) -> None:
+    """n = 3 computes the prompt once (two siblings reuse the first one's pages); a request with
+    a penalty, whose sampler needs every token it has seen, never starts from cached pages."""
+    daemon = DaemonProcess(tmp_path).start()
+    prompt = _prompt(9)
+
+    async def run():
+        async with AsyncClient(runtime_dir=daemon.runtime_dir) as client:
+            both = await client.generate(prompt, adapter="qv-r8", max_tokens=6, temperature=0.0, ignore_eos=True,
+                                         n=3, timeout=120)
+            penalised = [await client.generate(prompt, adapter="qv-r8", max_tokens=6, temperature=0.0,
+                                               ignore_eos=True, repetition_penalty=1.3, timeout=120)
+                         for _ in range(2)]
+            return both, penalised
+
+    try:
+        both, penalised = asyncio.run(run())
+        with daemon.client() as c:
+            prefix = c.stats()["prefix_cache"]
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+    assert len(both.choices) == 3 and len({tuple(c.token_ids) for c in both.choices}) == 1  # greedy
+    assert prefix["hit_tokens"] == 2 * ((len(prompt) - 1) // PAGE_TOKENS * PAGE_TOKENS)
+    assert [r.usage["cached_tokens"] for r in penalised] == [0, 0]
+    assert penalised[0].token_ids == penalised[1].token_ids
