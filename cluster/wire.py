@@ -9,24 +9,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from loraplex.ipc.client_calls import generate_request
+from loraplex.ipc.client_calls import GENERATE_OPTIONS, generate_request
 from loraplex.ipc.client_types import GenerateResult, StreamChunk
 from loraplex.ipc.errors import ErrorCode, LoraplexError
 
-# AsyncClient.stream's keyword defaults: a request is checked with the client library's own
-# validation at the ingress, so a bad field gets its 400 there and never reaches a replica.
-_DEFAULTS: dict[str, Any] = {"max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": None,
-                             "stop": None, "stop_token_ids": None, "ignore_eos": False, "logprobs": False,
-                             "priority": 0, "slo_ttft_ms": None, "timeout": None, "request_id": None}
 
 
 def request(prompt: str | Sequence[int], adapter: str | None, options: Mapping[str, Any]) -> dict[str, Any]:
     """One generate for a replica; raises ValueError for an unknown option and ProtocolError for
     a field the daemon would refuse (as AsyncClient.stream does)."""
-    unknown = sorted(set(options) - set(_DEFAULTS))
+    # Checked with the client library's own validation at the ingress, so a bad field gets its
+    # 400 there and never reaches a replica.
+    unknown = sorted(set(options) - GENERATE_OPTIONS)
     if unknown:
         raise ValueError(f"unknown generate options {unknown}")
-    generate_request(prompt, adapter=adapter, stream=True, **{**_DEFAULTS, **options})
+    generate_request(prompt, adapter=adapter, stream=True, **options)
     if not isinstance(prompt, str):
         prompt = [int(t) for t in prompt]
     return {"prompt": prompt, "adapter": adapter, "options": dict(options)}

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, Sequence, TypeVar, Unpack
 
 import zmq
 import zmq.asyncio
@@ -26,6 +26,7 @@ from loraplex.ipc.client_calls import (
     Item,
     R,
     StreamAssembler,
+    GenerateOptions,
     generate_request,
 )
 from loraplex.ipc.client_core import (
@@ -38,7 +39,6 @@ from loraplex.ipc.client_core import (
 )
 from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk, Tokenized
 from loraplex.ipc.curve import CurveClientKeys, check_tcp_endpoint
-from loraplex.ipc.guided import Guided
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.protocol import CancelRequest, GenerateRequest, Message, PolicyKind
 from loraplex.ipc.socket_options import SocketLimits
@@ -371,24 +371,11 @@ class AsyncClient(_AsyncBase):
         self,
         prompt: str | Sequence[int],
         adapter: str | None = None,
-        *,
-        max_tokens: int | None = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
-        timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
-        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
-        guided: Guided | None = None,
+        **options: Unpack[GenerateOptions],
     ) -> GenerateResult:
         """As Client.generate. Cancelling the awaiting task cancels the request."""
-        request = generate_request(
-            prompt, request_id=request_id, adapter=adapter, max_tokens=max_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-            logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=False,
-            top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n, guided=guided,
-        )
+        request = generate_request(prompt, adapter=adapter, stream=False, **options)
+        timeout = options.get("timeout")
         stream = AsyncStream(self, request, timeout)
         async for _ in stream:
             pass
@@ -398,24 +385,11 @@ class AsyncClient(_AsyncBase):
         self,
         prompt: str | Sequence[int],
         adapter: str | None = None,
-        *,
-        max_tokens: int | None = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
-        timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
-        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
-        guided: Guided | None = None,
+        **options: Unpack[GenerateOptions],
     ) -> AsyncStream:
         """As Client.stream, but an AsyncStream: `async for chunk in client.stream(...)`."""
-        request = generate_request(
-            prompt, request_id=request_id, adapter=adapter, max_tokens=max_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-            logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=True,
-            top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n, guided=guided,
-        )
+        request = generate_request(prompt, adapter=adapter, stream=True, **options)
+        timeout = options.get("timeout")
         return AsyncStream(self, request, timeout)
 
     async def cancel(self, request_id: str) -> None:

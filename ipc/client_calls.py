@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar, Union
+from typing import Any, Callable, Generic, Mapping, Sequence, TypedDict, TypeVar, Union
 
 from loraplex.ipc.client_types import AdapterInfo, Choice, GenerateResult, StreamChunk, Tokenized, new_request_id
 from loraplex.ipc.errors import ErrorCode, LoraplexError
@@ -147,24 +147,54 @@ def pause(paused: bool, timeout: float | None) -> Call[dict[str, object]]:
     return _admin(PauseRequest(paused=paused, request_id=new_request_id()), timeout)
 
 
+class GenerateOptions(TypedDict, total=False):
+    """The keyword arguments of every client's generate() and stream(), declared once (their
+    defaults are generate_request's). See Client.generate for what each means."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: str | Sequence[str] | None
+    stop_token_ids: Sequence[int] | None
+    ignore_eos: bool
+    logprobs: bool
+    top_logprobs: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: Mapping[int, float] | None
+    min_tokens: int
+    n: int
+    guided: Guided | None
+    priority: int
+    slo_ttft_ms: float | None
+    timeout: float | None
+    request_id: str | None
+
+
+GENERATE_OPTIONS = frozenset(GenerateOptions.__annotations__)
+
+
 def generate_request(
     prompt: str | Sequence[int],
     *,
-    request_id: str | None,
-    adapter: str | None,
-    max_tokens: int | None,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    seed: int | None,
-    stop: str | Sequence[str] | None,
-    stop_token_ids: Sequence[int] | None,
-    ignore_eos: bool,
-    logprobs: bool,
-    priority: int,
-    slo_ttft_ms: float | None,
-    timeout: float | None,
-    stream: bool,
+    adapter: str | None = None,
+    stream: bool = False,
+    request_id: str | None = None,
+    max_tokens: int | None = 64,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    logprobs: bool = False,
+    priority: int = 0,
+    slo_ttft_ms: float | None = None,
+    timeout: float | None = None,
     top_logprobs: int = 0,
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,

@@ -14,7 +14,7 @@ import os
 import queue
 import threading
 import time
-from typing import Mapping, Sequence, TypeVar
+from typing import Sequence, TypeVar, Unpack
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -27,6 +27,7 @@ from loraplex.ipc.client_calls import (
     Item,
     R,
     StreamAssembler,
+    GenerateOptions,
     generate_request,
 )
 from loraplex.ipc.client_core import (
@@ -39,7 +40,6 @@ from loraplex.ipc.client_core import (
 )
 from loraplex.ipc.client_types import AdapterInfo, GenerateResult, Liveness, StreamChunk, Tokenized
 from loraplex.ipc.curve import CurveClientKeys
-from loraplex.ipc.guided import Guided
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.protocol import CancelRequest, GenerateRequest, Message, PolicyKind
 from loraplex.ipc.socket_options import SocketLimits
@@ -384,15 +384,7 @@ class Client(_SyncBase):
         self,
         prompt: str | Sequence[int],
         adapter: str | None = None,
-        *,
-        max_tokens: int | None = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
-        timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
-        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
-        guided: Guided | None = None,
+        **options: Unpack[GenerateOptions],
     ) -> GenerateResult:
         """Generate a completion of `prompt` (text or token ids) with `adapter`
         (None: the base model) and wait for it.
@@ -409,13 +401,8 @@ class Client(_SyncBase):
         Raises LoraplexError for every failure the daemon reports, ValueError
         for out-of-range arguments.
         """
-        request = generate_request(
-            prompt, request_id=request_id, adapter=adapter, max_tokens=max_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-            logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=False,
-            top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n, guided=guided,
-        )
+        request = generate_request(prompt, adapter=adapter, stream=False, **options)
+        timeout = options.get("timeout")
         stream = Stream(self, request, timeout)
         with stream:
             for _ in stream:
@@ -426,25 +413,12 @@ class Client(_SyncBase):
         self,
         prompt: str | Sequence[int],
         adapter: str | None = None,
-        *,
-        max_tokens: int | None = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False, logprobs: bool = False, priority: int = 0, slo_ttft_ms: float | None = None,
-        timeout: float | None = None, request_id: str | None = None, top_logprobs: int = 0,
-        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-        logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, n: int = 1,
-        guided: Guided | None = None,
+        **options: Unpack[GenerateOptions],
     ) -> Stream:
         """As generate(), but returns at once with a Stream of chunks; the
         request is sent before this returns. See Stream for the end convention."""
-        request = generate_request(
-            prompt, request_id=request_id, adapter=adapter, max_tokens=max_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-            logprobs=logprobs, priority=priority, slo_ttft_ms=slo_ttft_ms, timeout=timeout, stream=True,
-            top_logprobs=top_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, n=n, guided=guided,
-        )
+        request = generate_request(prompt, adapter=adapter, stream=True, **options)
+        timeout = options.get("timeout")
         return Stream(self, request, timeout)
 
     def cancel(self, request_id: str) -> None:
