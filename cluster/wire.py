@@ -10,7 +10,8 @@ from dataclasses import asdict
 from typing import Any
 
 from loraplex.ipc.client_calls import GENERATE_OPTIONS, generate_request
-from loraplex.ipc.client_types import GenerateResult, StreamChunk
+from loraplex.ipc.client_types import Choice, GenerateResult, StreamChunk
+from loraplex.ipc.protocol import TopLogprobs
 from loraplex.ipc.errors import ErrorCode, LoraplexError
 
 
@@ -49,12 +50,19 @@ def error_event(exc: LoraplexError) -> dict[str, Any]:
     return {"error": {"code": exc.code.value, "message": exc.message, "request_id": exc.request_id}}
 
 
+def _top(raw: list[Mapping[str, Any]] | None) -> list[TopLogprobs] | None:
+    return None if raw is None else [TopLogprobs(**t) for t in raw]
+
+
 def to_chunk(raw: Mapping[str, Any]) -> StreamChunk:
-    return StreamChunk(**raw)
+    """A chunk from its event (asdict flattened its nested records into maps)."""
+    return StreamChunk(**{**raw, "top_logprobs": _top(raw.get("top_logprobs"))})
 
 
 def to_result(raw: Mapping[str, Any]) -> GenerateResult:
-    return GenerateResult(**raw)
+    """A result from its event, its choices and top logprobs rebuilt as records."""
+    choices = [Choice(**{**c, "top_logprobs": _top(c.get("top_logprobs"))}) for c in raw.get("choices", ())]
+    return GenerateResult(**{**raw, "top_logprobs": _top(raw.get("top_logprobs")), "choices": choices})
 
 
 def to_error(raw: Mapping[str, Any]) -> LoraplexError:

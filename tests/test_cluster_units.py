@@ -106,9 +106,14 @@ def test_wire_round_trips_and_validates() -> None:
     from loraplex.cluster import wire
     from loraplex.ipc.errors import ProtocolError
 
-    chunk = StreamChunk("r", [1, 2], "ab", 0, [-0.5, -0.25])
+    from loraplex.ipc.client import Choice, TopLogprobs
+
+    top = [TopLogprobs([1, 7], [-0.5, -1.5], ["a", "b"]), TopLogprobs([2, 9], [-0.25, -2.0], ["b", "c"])]
+    chunk = StreamChunk("r", [1, 2], "ab", 0, [-0.5, -0.25], top, choice=1)
     assert wire.to_chunk(wire.chunk_event(chunk)["chunk"]) == chunk
-    result = GenerateResult("r", "ab", [1, 2], "length", {"prompt_tokens": 1}, {"e2e_ms": 3.0})
+    choices = [Choice(0, "ab", [1, 2], "length", [-0.5, -0.25], top), Choice(1, "b", [2], "stop")]
+    result = GenerateResult("r", "ab", [1, 2], "length", {"prompt_tokens": 1}, {"e2e_ms": 3.0}, [-0.5, -0.25], top,
+                            choices)
     assert wire.to_result(wire.result_event(result)["result"]) == result
     error = wire.to_error(wire.error_event(LoraplexError(ErrorCode.UNKNOWN_ADAPTER, "no such", "r"))["error"])
     assert error.code is ErrorCode.UNKNOWN_ADAPTER and error.message == "no such" and error.request_id == "r"

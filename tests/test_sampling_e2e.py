@@ -261,3 +261,18 @@ def test_done_check_n2_top_logprobs_and_json_schema_through_openai(oai):
         with pytest.raises(openai.BadRequestError) as info:
             oai.completions.create(model=BASE, prompt="x", max_tokens=4, extra_body=bad)
         assert info.value.status_code == 400 and info.value.message
+
+
+def test_done_check_a_repeated_long_prompt_is_cached_through_openai(oai, daemon):
+    """The issue's check for the prefix cache: a repeated long prompt reports cached_tokens > 0
+    in usage and gives the same greedy text as the first time; `loraplex stats` shows the hits."""
+    prompt = "ROMEO: " + " ".join(f"word{i}" for i in range(120))
+    first = oai.completions.create(model="qv-r8", prompt=prompt, **{k: v for k, v in GREEDY.items() if k != "ignore_eos"},
+                                   extra_body={"ignore_eos": True})
+    again = oai.completions.create(model="qv-r8", prompt=prompt, **{k: v for k, v in GREEDY.items() if k != "ignore_eos"},
+                                   extra_body={"ignore_eos": True})
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    assert again.choices[0].text == first.choices[0].text
+    with daemon.client() as client:
+        assert client.stats()["prefix_cache"]["hit_tokens"] >= again.usage.prompt_tokens_details.cached_tokens
