@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.bench_env import user_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -14,7 +16,7 @@ def test_daemon_overhead_json(demo):
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "daemon_overhead.py"), "--json", "--concurrency", "3",
          "--max-tokens", "4", "--ttft-samples", "2", "--stub-clients", "2", "--stub-requests", "40"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=user_env(),  # the script picks its demo itself
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
