@@ -25,3 +25,24 @@ def test_daemon_overhead_json(demo):
     assert real["step_ms_p50"] >= real["engine_ms_p50"] * 0.5
     assert math.isfinite(real["client_ttft_overhead_ms_median"])
     assert stub["requests"] == 40 and stub["requests_per_s"] > 0
+
+
+def test_stub_step_configurations_report_the_exposed_overhead():
+    """--stub-step-ms: a stub engine process sleeping per step serves B requests of C-token
+    prompts; each configuration reports its decode steps' interval and plan size."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "daemon_overhead.py"), "--json", "--stub-only", "--stub-step-ms", "3",
+         "--batch", "1", "5", "--context", "40", "--stub-decode-steps", "6"],
+        capture_output=True, text=True, timeout=300, env=user_env(),
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert "demo_model" not in report and [(c["batch"], c["context"]) for c in report["stub"]] == [(1, 40), (5, 40)]
+    for config in report["stub"]:
+        assert config["step_ms"] == 3.0 and config["decode_steps"] >= 5
+        # The engine slept 3 ms a step, so two step starts are at least that far apart.
+        assert config["step_interval_ms_p50"] >= 3.0 and math.isfinite(config["exposed_overhead_frac"])
+        assert config["exposed_overhead_ms_p50"] == config["step_interval_ms_p50"] - 3.0
+        assert config["plan_bytes_p50"] > 0
+    one, five = report["stub"]
+    assert five["plan_bytes_p50"] > one["plan_bytes_p50"]  # five rows in each decode plan, not one

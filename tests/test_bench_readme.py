@@ -32,6 +32,7 @@ CHEAP = {  # a few seconds each on 2 busy cores
 }
 SLOW = {  # full-size runs: minutes
     "bench/daemon_overhead.py --json",
+    "bench/daemon_overhead.py --json --stub-only --stub-step-ms 5 20 --batch 1 64 256 --context 2048",
     "bench/engine_throughput.py --json",
     "bench/engine_throughput.py --adapters none --json",
     "bench/cache_live.py --json",
