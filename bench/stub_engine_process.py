@@ -29,10 +29,12 @@ from loraplex.ipc.protocol import (
     EngineLoadAdapter,
     EngineShutdown,
     EngineStep,
+    EngineStepDelta,
     EngineStepDone,
     EngineUnloadAdapter,
     Message,
 )
+from loraplex.ipc.plan_delta import PlanBook
 from loraplex.ipc.sockets import TypedSocket
 
 ROLE = "loraplex-engine"  # the daemon's tools name children by role; this one stands in for an engine
@@ -55,6 +57,7 @@ class StubEngine:
         self.decode_rows: list[int] = []
         self.plan_bytes: list[int] = []
         self.steps = 0
+        self.book = PlanBook()  # the persistent batch, as a real engine keeps it
         self._last_decode_start: float | None = None
 
     def hello(self) -> EngineHello:
@@ -71,7 +74,14 @@ class StubEngine:
             msg = decode(frame, self.sock.limits.decode)
             if isinstance(msg, EngineShutdown):
                 return
-            if isinstance(msg, EngineStep):
+            if isinstance(msg, EngineStepDelta):
+                try:
+                    plan = self.book.expand(msg.delta)
+                except ValueError as exc:
+                    self.sock.send(EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=str(exc)))
+                    continue
+                self.sock.send(self.step(plan, len(frame)))
+            elif isinstance(msg, EngineStep):
                 self.sock.send(self.step(msg.plan, len(frame)))
             else:
                 self.sock.send(self.handle(msg))

@@ -22,7 +22,7 @@ from loraplex.daemon.scheduler.sequence import Sequence
 from loraplex.daemon.stats import ServingStats
 from loraplex.ipc.engine_plan import StepPlan
 from loraplex.ipc.errors import ErrorCode
-from loraplex.ipc.protocol import EngineStep, EngineStepDone, Message
+from loraplex.ipc.protocol import EngineStepDone, Message
 
 log = logging.getLogger("loraplex.daemon")
 MAX_STEP_FAILURES = 3  # refused steps in a row before the engine counts as lost
@@ -116,9 +116,10 @@ class StepLoop:
     async def _run(self, sched: BaseScheduler, plan: StepPlan) -> Message | None:
         """The engine runs the step; None when it failed (and that was dealt with)."""
         try:
-            reply = await self.slot.link.call(EngineStep(plan=plan))
+            reply = await self.slot.link.call(self.slot.step_order(plan))
         except EngineRefused as exc:
             sched.discard_inflight()
+            self.slot.resync()
             await self._refused(plan, exc)
             return None
         except EngineDied as exc:

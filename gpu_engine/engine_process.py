@@ -25,6 +25,7 @@ from loraplex.gpu_engine.malloc_arenas import bound_malloc_arenas
 from loraplex.gpu_engine.runtime import EngineRuntime, build_runtime
 from loraplex.gpu_engine.store_reader import StoreReader
 from loraplex.ipc.adapter_files import allow_also, resolve_roots
+from loraplex.ipc.engine_plan import StepPlan
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
     EngineAdapterLoaded,
@@ -33,10 +34,12 @@ from loraplex.ipc.protocol import (
     EngineLoadAdapter,
     EngineShutdown,
     EngineStep,
+    EngineStepDelta,
     EngineStepDone,
     EngineUnloadAdapter,
     Message,
 )
+from loraplex.ipc.plan_delta import PlanBook
 from loraplex.ipc.sockets import TypedSocket
 
 ROLE = "loraplex-engine"
@@ -125,6 +128,7 @@ class EngineServer:
         self.resources = resources
         self.stores = StoreReader(pin=runtime.executor.device.type == "cuda")  # the cache manager's store
         self.roots = resolve_roots(runtime.spec.adapter_dirs)  # where adapter files may resolve (server.adapter_dirs)
+        self.book = PlanBook()  # the persistent batch the daemon's step deltas refer to
 
     def serve(self) -> None:
         hello = hello_for(self.runtime, self.demo, self.resources)
@@ -138,19 +142,15 @@ class EngineServer:
 
     def handle(self, msg: Message) -> Message:
         executor = self.runtime.executor
-        if isinstance(msg, EngineStep):
+        if isinstance(msg, EngineStepDelta):
             try:
-                return EngineStepDone(result=executor.execute(msg.plan))
-            except _OOM_ERRORS as exc:  # the daemon retries with a smaller batch; we stay up
-                log.error("step %d ran out of memory: %s", msg.plan.step_id, exc)
-                if executor.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                return EngineFailure(code=ErrorCode.OVERLOADED.value, message=f"out of memory: {exc}",
-                                     subject=str(msg.plan.step_id))
-            except Exception as exc:  # the daemon re-plans the step; the process keeps serving
-                log.error("step %d failed: %s", msg.plan.step_id, traceback.format_exc())
-                return EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"step failed: {exc}",
-                                     subject=str(msg.plan.step_id))
+                plan = self.book.expand(msg.delta)
+            except ValueError as exc:  # the daemon resynchronises with the next step
+                return EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"step plan refused: {exc}",
+                                     subject=str(msg.delta.step_id))
+            return self._step(plan)
+        if isinstance(msg, EngineStep):
+            return self._step(msg.plan)
         if isinstance(msg, EngineLoadAdapter):
             return self._load(msg)
         if isinstance(msg, EngineUnloadAdapter):
@@ -160,6 +160,21 @@ class EngineServer:
                 self.resources.store.remove(msg.name)
             return EngineAdapterLoaded(name=msg.name, rank=0, target_modules=[], num_pages=0, nbytes=0)
         return EngineFailure(code=ErrorCode.UNKNOWN_TYPE.value, message=f"engine cannot handle {msg.TYPE}")
+
+    def _step(self, plan: StepPlan) -> Message:
+        executor = self.runtime.executor
+        try:
+            return EngineStepDone(result=executor.execute(plan))
+        except _OOM_ERRORS as exc:  # the daemon retries with a smaller batch; we stay up
+            log.error("step %d ran out of memory: %s", plan.step_id, exc)
+            if executor.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return EngineFailure(code=ErrorCode.OVERLOADED.value, message=f"out of memory: {exc}",
+                                 subject=str(plan.step_id))
+        except Exception as exc:  # the daemon re-plans the step; the process keeps serving
+            log.error("step %d failed: %s", plan.step_id, traceback.format_exc())
+            return EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"step failed: {exc}",
+                                 subject=str(plan.step_id))
 
     def _load(self, msg: EngineLoadAdapter) -> Message:
         executor = self.runtime.executor

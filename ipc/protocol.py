@@ -63,6 +63,7 @@ from loraplex.ipc.messages.engine import (
     EngineLoadAdapter,
     EngineShutdown,
     EngineStep,
+    EngineStepDelta,
     EngineStepDone,
     EngineUnloadAdapter,
 )
@@ -118,6 +119,7 @@ __all__ = [
     "EngineLoadAdapter",
     "EngineShutdown",
     "EngineStep",
+    "EngineStepDelta",
     "EngineStepDone",
     "EngineUnloadAdapter",
     "ADAPTER_PATHS",
