@@ -156,6 +156,7 @@ def measure_stub(clients: int, requests: int, max_tokens: int, env: dict[str, st
 
 STUB_DECODE_STEPS = 40  # decode steps at full batch measured per --stub-step-ms configuration
 STUB_MAX_BATCHED_TOKENS = 8192
+LOOPS = ("sync", "overlap")  # scheduler.overlap false, true
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -163,7 +164,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
-def measure_stub_steps(batch: int, context: int, step_ms: float, decode_steps: int, env: dict[str, str]) -> dict:
+def measure_stub_steps(batch: int, context: int, step_ms: float, decode_steps: int, loop: str,
+                       env: dict[str, str]) -> dict:
     """B requests of C-token prompts at once against the sleeping stub engine process; what the
     decode steps with all B rows cost (each request decodes until the last one's prefill is done
     and then `decode_steps` more)."""
@@ -176,10 +178,10 @@ def measure_stub_steps(batch: int, context: int, step_ms: float, decode_steps: i
         env = {**env, "LORAPLEX_STATE_DIR": str(Path(tmp) / "state"), "PYTHONPATH": str(ROOT),
                "LORAPLEX_STUB_STEP_MS": str(step_ms), "LORAPLEX_STUB_STATS": str(stats_path),
                "LORAPLEX_STUB_MAX_MODEL_LEN": str(context + decode_tokens + 16)}
-        proc = _start([sys.executable, str(Path(__file__).resolve()), "--serve-stub-process", "--batch", str(batch)],
-                      rt, env)
+        proc = _start([sys.executable, str(Path(__file__).resolve()), "--serve-stub-process", "--batch", str(batch),
+                       "--loops", loop], rt, env)
         try:
-            _log(f"stub engine process, {step_ms:g} ms a step: {batch} requests of {context} prompt tokens, "
+            _log(f"{loop} loop, stub engine process, {step_ms:g} ms a step: {batch} requests of {context} prompt tokens, "
                  f"{decode_tokens} output tokens each")
             rng = random.Random(batch * 7919 + context)
             prompts = [[rng.randrange(3, 500) for _ in range(context)] for _ in range(batch)]
@@ -198,13 +200,13 @@ def measure_stub_steps(batch: int, context: int, step_ms: float, decode_steps: i
         raise RuntimeError("the stub engine saw no two decode steps of the whole batch in a row")
     intervals = [stats["decode_intervals_ms"][i] for i in full]
     interval = percentile(intervals, 0.5)
-    return {"batch": batch, "context": context, "step_ms": step_ms, "decode_steps": len(intervals),
+    return {"loop": loop, "batch": batch, "context": context, "step_ms": step_ms, "decode_steps": len(intervals),
             "step_interval_ms_p50": interval, "step_interval_ms_p90": percentile(intervals, 0.9),
             "exposed_overhead_ms_p50": interval - step_ms, "exposed_overhead_frac": (interval - step_ms) / step_ms,
             "plan_bytes_p50": percentile([stats["decode_plan_bytes"][i] for i in full], 0.5)}
 
 
-def serve_stub_process(batch: int) -> int:
+def serve_stub_process(batch: int, loop: str) -> int:
     sys.path.insert(0, str(ROOT))
     from bench.stub_engine import StubProcessLink
     from loraplex.daemon.config import load_config
@@ -213,7 +215,8 @@ def serve_stub_process(batch: int) -> int:
     import uvloop
 
     config = load_config(None, overrides={"scheduler.max_num_seqs": max(batch, 1),
-                                           "scheduler.max_batched_tokens": max(STUB_MAX_BATCHED_TOKENS, batch)})
+                                           "scheduler.max_batched_tokens": max(STUB_MAX_BATCHED_TOKENS, batch),
+                                           "scheduler.overlap": loop == "overlap"})
     return uvloop.run(run_daemon(config, engine_factory=StubProcessLink))
 
 
@@ -244,6 +247,8 @@ def main() -> int:
     parser.add_argument("--context", type=int, nargs="+", default=[2048], help="--stub-step-ms: prompt tokens")
     parser.add_argument("--stub-decode-steps", type=int, default=STUB_DECODE_STEPS,
                         help="--stub-step-ms: decode steps of the whole batch measured")
+    parser.add_argument("--loops", nargs="+", choices=LOOPS, default=list(LOOPS),
+                        help="--stub-step-ms: which step loops to run side by side (scheduler.overlap false / true)")
     parser.add_argument("--stub-only", action="store_true", help="run only the --stub-step-ms configurations")
     parser.add_argument("--serve-stub", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-stub-process", action="store_true", help=argparse.SUPPRESS)
@@ -251,7 +256,7 @@ def main() -> int:
     if args.serve_stub:
         return serve_stub()
     if args.serve_stub_process:
-        return serve_stub_process(args.batch[0])
+        return serve_stub_process(args.batch[0], args.loops[0])
     if args.stub_only and not args.stub_step_ms:
         parser.error("--stub-only needs --stub-step-ms")
     for name in ("batch", "context"):
@@ -268,14 +273,14 @@ def main() -> int:
         report["demo_model"] = measure_real(args.concurrency, args.max_tokens, args.ttft_samples, env)
         report["stub_engine"] = measure_stub(args.stub_clients, args.stub_requests, args.stub_max_tokens, env)
     if args.stub_step_ms:
-        report["stub"] = [measure_stub_steps(b, c, ms, args.stub_decode_steps, env)
-                          for ms in args.stub_step_ms for b in args.batch for c in args.context]
+        report["stub"] = [measure_stub_steps(b, c, ms, args.stub_decode_steps, loop, env)
+                          for ms in args.stub_step_ms for b in args.batch for c in args.context for loop in args.loops]
     report["env"]["loadavg_1m_after"] = os.getloadavg()[0]
     if args.json:
         print(json.dumps(report))
     else:
         sections = [(s, report[s]) for s in ("demo_model", "stub_engine") if s in report]
-        sections += [(f"stub B={c['batch']} C={c['context']} MS={c['step_ms']:g}", c) for c in report.get("stub", [])]
+        sections += [(f"stub {c['loop']} B={c['batch']} C={c['context']} MS={c['step_ms']:g}", c) for c in report.get("stub", [])]
         for title, section in sections:
             print(title)
             for key, value in section.items():

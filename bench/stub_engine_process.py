@@ -80,13 +80,15 @@ class StubEngine:
                 except ValueError as exc:
                     self.sock.send(EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=str(exc)))
                     continue
-                self.sock.send(self.step(plan, len(frame)))
+                reply = self.step(plan, len(frame))
+                self.book.sampled(reply.result)
+                self.sock.send(reply)
             elif isinstance(msg, EngineStep):
                 self.sock.send(self.step(msg.plan, len(frame)))
             else:
                 self.sock.send(self.handle(msg))
 
-    def step(self, plan: StepPlan, nbytes: int) -> Message:
+    def step(self, plan: StepPlan, nbytes: int) -> EngineStepDone:
         started = time.perf_counter()
         self.steps += 1
         self.plan_bytes.append(nbytes)

@@ -148,7 +148,12 @@ class EngineServer:
             except ValueError as exc:  # the daemon resynchronises with the next step
                 return EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"step plan refused: {exc}",
                                      subject=str(msg.delta.step_id))
-            return self._step(plan)
+            reply = self._step(plan)
+            if isinstance(reply, EngineStepDone):
+                self.book.sampled(reply.result)
+            else:
+                self.book.failed()
+            return reply
         if isinstance(msg, EngineStep):
             return self._step(msg.plan)
         if isinstance(msg, EngineLoadAdapter):

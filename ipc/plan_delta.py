@@ -12,12 +12,18 @@ with batch x context.
 
 PlanEncoder is the daemon's side (one per engine), PlanBook the engine's; both torch-free
 and plain data, so the same objects travel as msgpack maps.
+
+With one step planned ahead (scheduler.overlap) the daemon plans a decode row before it
+knows the token the row sampled in the step still running: the row's token is FEED_SAMPLED,
+and the engine feeds the token it sampled for that row last (`sampled` records them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loraplex.ipc.engine_plan import AdapterPlacement, CpuAssistStep, RowPlan, SamplingSpec, StepPlan
+from loraplex.ipc.engine_plan import AdapterPlacement, CpuAssistStep, RowPlan, SamplingSpec, StepPlan, StepResult
+
+FEED_SAMPLED = -1  # a token id meaning "the token this engine sampled for this row in its last step"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +111,15 @@ class PlanBook:
 
     def __init__(self) -> None:
         self.rows: dict[str, _Row] = {}
+        self.last_sampled: dict[str, int] = {}  # request id -> the token its row sampled in the last step
+
+    def sampled(self, result: StepResult) -> None:
+        """The step ran: its sampled tokens are what FEED_SAMPLED means in the next one."""
+        self.last_sampled = {r.request_id: r.token_id for r in result.rows}
+
+    def failed(self) -> None:
+        """The step failed: nothing it planned ran, so the next step must resync."""
+        self.rows, self.last_sampled = {}, {}
 
     def expand(self, delta: StepDelta) -> StepPlan:
         """The StepPlan `delta` stands for; ValueError (and an empty batch: the daemon resyncs)
@@ -112,7 +127,7 @@ class PlanBook:
         try:
             return self._expand(delta)
         except ValueError:
-            self.rows = {}
+            self.failed()
             raise
 
     def _expand(self, delta: StepDelta) -> StepPlan:
@@ -135,7 +150,13 @@ class PlanBook:
                 raise ValueError(f"row {d.request_id} appears twice in step {delta.step_id}")
             row.next_pos = d.start_pos + len(d.token_ids)
             batch[d.request_id] = row
-            rows.append(RowPlan(d.request_id, d.token_ids, d.start_pos, row.pages, row.adapter, d.sample,
+            tokens = d.token_ids
+            if FEED_SAMPLED in tokens:
+                last = self.last_sampled.get(d.request_id)
+                if last is None or tokens.count(FEED_SAMPLED) > 1:
+                    raise ValueError(f"row {d.request_id} feeds a token its last step did not sample")
+                tokens = [last if t == FEED_SAMPLED else t for t in tokens]
+            rows.append(RowPlan(d.request_id, tokens, d.start_pos, row.pages, row.adapter, d.sample,
                                 row.sampling, d.sample_index, d.cpu_layers, d.cpu_row))
         self.rows = batch
         return StepPlan(delta.step_id, rows, delta.place, delta.evict, delta.cpu, delta.merged_adapter)
