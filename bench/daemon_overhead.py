@@ -203,7 +203,10 @@ def measure_stub_steps(batch: int, context: int, step_ms: float, decode_steps: i
     return {"loop": loop, "batch": batch, "context": context, "step_ms": step_ms, "decode_steps": len(intervals),
             "step_interval_ms_p50": interval, "step_interval_ms_p90": percentile(intervals, 0.9),
             "exposed_overhead_ms_p50": interval - step_ms, "exposed_overhead_frac": (interval - step_ms) / step_ms,
-            "plan_bytes_p50": percentile([stats["decode_plan_bytes"][i] for i in full], 0.5)}
+            "plan_bytes_p50": percentile([stats["decode_plan_bytes"][i] for i in full], 0.5),
+            # Of the exposed time, what the engine spent between the end of one step and the start
+            # of the next (the rest: the stub's sleep overshooting, a busy host's scheduling).
+            "engine_idle_ms_p50": percentile([stats["decode_idle_ms"][i] for i in full], 0.5)}
 
 
 def serve_stub_process(batch: int, loop: str) -> int:

@@ -19,7 +19,6 @@ import time
 
 from loraplex.contracts.engine_spec import EngineSpec
 from loraplex.gpu_engine.child_process import run_child
-from loraplex.ipc.codec import decode
 from loraplex.ipc.engine_plan import RowResult, StepPlan, StepResult
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
@@ -27,13 +26,13 @@ from loraplex.ipc.protocol import (
     EngineFailure,
     EngineHello,
     EngineLoadAdapter,
-    EngineShutdown,
     EngineStep,
     EngineStepDelta,
     EngineStepDone,
     EngineUnloadAdapter,
     Message,
 )
+from loraplex.ipc.order_pump import OrderPump
 from loraplex.ipc.plan_delta import PlanBook
 from loraplex.ipc.sockets import TypedSocket
 
@@ -55,6 +54,8 @@ class StubEngine:
         self.decode_intervals_ms: list[float] = []
         self.decode_plan_bytes: list[int] = []
         self.decode_rows: list[int] = []
+        self.decode_idle_ms: list[float] = []  # end of the step before to start: the engine waited
+        self._last_end: float | None = None
         self.plan_bytes: list[int] = []
         self.steps = 0
         self.book = PlanBook()  # the persistent batch, as a real engine keeps it
@@ -68,25 +69,44 @@ class StubEngine:
 
     def serve(self) -> None:
         self.sock.send(self.hello())
-        raw = self.sock.socket  # the frame itself: its size is the plan's cost on the wire
-        while True:
-            frame = raw.recv_multipart()[-1]
-            msg = decode(frame, self.sock.limits.decode)
-            if isinstance(msg, EngineShutdown):
-                return
-            if isinstance(msg, EngineStepDelta):
-                try:
-                    plan = self.book.expand(msg.delta)
-                except ValueError as exc:
-                    self.sock.send(EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=str(exc)))
-                    continue
-                reply = self.step(plan, len(frame))
-                self.book.sampled(reply.result)
-                self.sock.send(reply)
-            elif isinstance(msg, EngineStep):
-                self.sock.send(self.step(msg.plan, len(frame)))
-            else:
-                self.sock.send(self.handle(msg))
+        pump = OrderPump(self.sock, self.prepare).start()
+        try:
+            pump.serve(self.begin, self.handle)
+        finally:
+            pump.stop()
+
+    def prepare(self, msg: Message, nbytes: int) -> object:
+        """On the pump's thread, while the step before sleeps: the plan expanded, as an engine does."""
+        if isinstance(msg, EngineStepDelta):
+            try:
+                return (self.book.expand(msg.delta), nbytes)
+            except ValueError as exc:
+                return EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=str(exc))
+        if isinstance(msg, EngineStep):
+            return (msg.plan, nbytes)
+        return msg
+
+    def begin(self, order: object) -> object:
+        """Feed a step the tokens its rows sampled in the last one, as an engine does."""
+        if isinstance(order, tuple):
+            try:
+                self.book.feed(order[0])
+            except ValueError as exc:
+                self.book.failed()
+                return EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=str(exc))
+        return order
+
+    def handle(self, order: object) -> Message:
+        if isinstance(order, tuple):
+            plan, nbytes = order
+            reply = self.step(plan, nbytes)
+            self.book.sampled(reply.result)
+            return reply
+        if isinstance(order, (EngineLoadAdapter, EngineUnloadAdapter)):
+            return EngineAdapterLoaded(name=order.name, rank=8, target_modules=["q_proj"], num_pages=1, nbytes=0)
+        if isinstance(order, EngineFailure):
+            return order
+        return EngineFailure(code=ErrorCode.UNKNOWN_TYPE.value, message=f"stub engine cannot handle {order.TYPE}")
 
     def step(self, plan: StepPlan, nbytes: int) -> EngineStepDone:
         started = time.perf_counter()
@@ -97,21 +117,19 @@ class StubEngine:
             self.decode_intervals_ms.append((started - self._last_decode_start) * 1e3)
             self.decode_plan_bytes.append(nbytes)
             self.decode_rows.append(len(plan.rows))
+            self.decode_idle_ms.append((started - self._last_end) * 1e3)
         self._last_decode_start = started if decoding else None
         rows = [RowResult(request_id=r.request_id, token_id=STUB_TOKEN, logprob=None) for r in plan.rows if r.sample]
         if plan.rows:
             time.sleep(max(0.0, self.step_s - (time.perf_counter() - started)))
+        self._last_end = time.perf_counter()
         return EngineStepDone(result=StepResult(step_id=plan.step_id, rows=rows,
                                                 forward_ms=self.step_s * 1e3 if plan.rows else 0.0))
-
-    def handle(self, msg: Message) -> Message:
-        if isinstance(msg, (EngineLoadAdapter, EngineUnloadAdapter)):
-            return EngineAdapterLoaded(name=msg.name, rank=8, target_modules=["q_proj"], num_pages=1, nbytes=0)
-        return EngineFailure(code=ErrorCode.UNKNOWN_TYPE.value, message=f"stub engine cannot handle {msg.TYPE}")
 
     def stats(self) -> dict:
         return {"steps": self.steps, "decode_intervals_ms": self.decode_intervals_ms,
                 "decode_plan_bytes": self.decode_plan_bytes, "decode_rows": self.decode_rows,
+                "decode_idle_ms": self.decode_idle_ms,
                 "plan_bytes": self.plan_bytes}
 
 

@@ -9,6 +9,7 @@ inherited pipe, and reports every failure it can survive as an
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 import os
 import time
 import traceback
@@ -32,13 +33,13 @@ from loraplex.ipc.protocol import (
     EngineFailure,
     EngineHello,
     EngineLoadAdapter,
-    EngineShutdown,
     EngineStep,
     EngineStepDelta,
     EngineStepDone,
     EngineUnloadAdapter,
     Message,
 )
+from loraplex.ipc.order_pump import OrderPump
 from loraplex.ipc.plan_delta import PlanBook
 from loraplex.ipc.sockets import TypedSocket
 
@@ -119,6 +120,16 @@ def hello_for(runtime: EngineRuntime, demo: bool, resources: CpuAssistResources 
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ExpandedStep:
+    """A step delta expanded on the pump's thread, its sampled tokens not yet fed."""
+    plan: StepPlan
+
+
+def _refused_plan(step_id: int, exc: Exception) -> EngineFailure:
+    return EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"step plan refused: {exc}", subject=str(step_id))
+
+
 class EngineServer:
     def __init__(self, runtime: EngineRuntime, sock: TypedSocket, *, demo: bool = False,
                  resources: CpuAssistResources | None = None) -> None:
@@ -134,20 +145,43 @@ class EngineServer:
         hello = hello_for(self.runtime, self.demo, self.resources)
         self.roots = allow_also(self.roots, hello.demo_adapters.values())  # the demo's own adapters are allowed
         self.sock.send(hello)
-        while True:
-            msg = self.sock.recv().message
-            if isinstance(msg, EngineShutdown):
-                return
-            self.sock.send(self.handle(msg))
+        # Orders are received and their plans expanded on the pump's thread while a step runs.
+        pump = OrderPump(self.sock, self.prepare).start()
+        try:
+            pump.serve(self.begin, self.handle)
+        finally:
+            pump.stop()
 
-    def handle(self, msg: Message) -> Message:
-        executor = self.runtime.executor
+    def prepare(self, msg: Message, nbytes: int = 0) -> object:
+        """On the pump's thread: a step delta expanded against the persistent batch (or the
+        refusal to send back); any other order as it came."""
         if isinstance(msg, EngineStepDelta):
             try:
-                plan = self.book.expand(msg.delta)
+                return ExpandedStep(self.book.expand(msg.delta))
             except ValueError as exc:  # the daemon resynchronises with the next step
-                return EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"step plan refused: {exc}",
-                                     subject=str(msg.delta.step_id))
+                return _refused_plan(msg.delta.step_id, exc)
+        return msg
+
+    def begin(self, msg: object) -> object:
+        """Just before running it: a step fed the tokens its rows sampled in the last one."""
+        if isinstance(msg, EngineStepDelta):
+            msg = self.prepare(msg)
+        if isinstance(msg, ExpandedStep):
+            try:
+                self.book.feed(msg.plan)
+            except ValueError as exc:
+                self.book.failed()
+                return _refused_plan(msg.plan.step_id, exc)
+        return msg
+
+    def handle(self, msg: object) -> Message:
+        executor = self.runtime.executor
+        if isinstance(msg, EngineStepDelta):  # not through the pump: expand and feed it here
+            msg = self.begin(msg)
+        if isinstance(msg, EngineFailure):  # a plan that could not be expanded or fed
+            return msg
+        if isinstance(msg, ExpandedStep):
+            plan = msg.plan
             reply = self._step(plan)
             if isinstance(reply, EngineStepDone):
                 self.book.sampled(reply.result)

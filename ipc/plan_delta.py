@@ -15,7 +15,10 @@ and plain data, so the same objects travel as msgpack maps.
 
 With one step planned ahead (scheduler.overlap) the daemon plans a decode row before it
 knows the token the row sampled in the step still running: the row's token is FEED_SAMPLED,
-and the engine feeds the token it sampled for that row last (`sampled` records them).
+and the engine feeds the token it sampled for that row last (`sampled` records them, `feed`
+puts them in). `expand` may run on the engine's socket thread while the step before runs
+(ipc/order_pump.py), `feed` on its executing thread just before the step: a page table a
+plan holds is never changed afterwards (a row's table grows into a new list).
 """
 from __future__ import annotations
 
@@ -145,18 +148,28 @@ class PlanBook:
                     raise ValueError(f"row {d.request_id} is not in this engine's batch (resync needed)")
                 if row.next_pos != d.start_pos:
                     raise ValueError(f"row {d.request_id} continues at {d.start_pos}, not {row.next_pos}")
-                row.pages += d.pages
+                if d.pages:
+                    row.pages = row.pages + d.pages  # the last plan's table may still be in use
             if d.request_id in batch:
                 raise ValueError(f"row {d.request_id} appears twice in step {delta.step_id}")
             row.next_pos = d.start_pos + len(d.token_ids)
             batch[d.request_id] = row
-            tokens = d.token_ids
-            if FEED_SAMPLED in tokens:
-                last = self.last_sampled.get(d.request_id)
-                if last is None or tokens.count(FEED_SAMPLED) > 1:
-                    raise ValueError(f"row {d.request_id} feeds a token its last step did not sample")
-                tokens = [last if t == FEED_SAMPLED else t for t in tokens]
-            rows.append(RowPlan(d.request_id, tokens, d.start_pos, row.pages, row.adapter, d.sample,
+            rows.append(RowPlan(d.request_id, d.token_ids, d.start_pos, row.pages, row.adapter, d.sample,
                                 row.sampling, d.sample_index, d.cpu_layers, d.cpu_row))
         self.rows = batch
         return StepPlan(delta.step_id, rows, delta.place, delta.evict, delta.cpu, delta.merged_adapter)
+
+    def feed(self, plan: StepPlan) -> StepPlan:
+        """`plan` (expanded here, so the engine's own) with each FEED_SAMPLED token replaced, in
+        place, by the token its row sampled in the last step; ValueError when that step did not
+        sample one for it (it failed, or never ran). In place: this runs between two steps."""
+        last_sampled = self.last_sampled
+        for row in plan.rows:
+            tokens = row.token_ids
+            if FEED_SAMPLED not in tokens:
+                continue
+            last = last_sampled.get(row.request_id)
+            if last is None or tokens.count(FEED_SAMPLED) > 1:
+                raise ValueError(f"row {row.request_id} feeds a token its last step did not sample")
+            tokens[tokens.index(FEED_SAMPLED)] = last
+        return plan

@@ -37,12 +37,14 @@ def test_stub_step_configurations_report_the_exposed_overhead():
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert "demo_model" not in report and [(c["batch"], c["context"]) for c in report["stub"]] == [(1, 40), (5, 40)]
+    configs = [(c["batch"], c["context"], c["loop"]) for c in report["stub"]]
+    assert "demo_model" not in report  # --stub-only; both loops side by side, by default
+    assert configs == [(1, 40, "sync"), (1, 40, "overlap"), (5, 40, "sync"), (5, 40, "overlap")]
     for config in report["stub"]:
         assert config["step_ms"] == 3.0 and config["decode_steps"] >= 5
         # The engine slept 3 ms a step, so two step starts are at least that far apart.
         assert config["step_interval_ms_p50"] >= 3.0 and math.isfinite(config["exposed_overhead_frac"])
         assert config["exposed_overhead_ms_p50"] == config["step_interval_ms_p50"] - 3.0
         assert config["plan_bytes_p50"] > 0
-    one, five = report["stub"]
+    one, five = report["stub"][1], report["stub"][3]
     assert five["plan_bytes_p50"] > one["plan_bytes_p50"]  # five rows in each decode plan, not one

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from loraplex.ipc.codec import decode, encode
-from loraplex.ipc.engine_plan import RowPlan, SamplingSpec, StepPlan
-from loraplex.ipc.plan_delta import PlanBook, PlanEncoder
+from loraplex.ipc.engine_plan import RowPlan, RowResult, SamplingSpec, StepPlan, StepResult
+from loraplex.ipc.plan_delta import FEED_SAMPLED, PlanBook, PlanEncoder
 from loraplex.ipc.protocol import EngineStep, EngineStepDelta
 
 
@@ -107,3 +107,22 @@ def test_a_decode_delta_grows_with_the_batch_not_the_context() -> None:
     assert long_full > 4 * small_full  # whole tables grow with the context...
     assert long_ctx < 1.1 * small  # ...a delta does not
     assert 3 * small < wide < 5 * small  # and it grows with the batch
+
+
+def test_a_fed_row_gets_the_token_its_last_step_sampled_and_old_tables_never_change() -> None:
+    rng = random.Random(23)
+    sampling = SamplingSpec(seed=rng.randrange(1000))
+    pages = [rng.randrange(900) for _ in range(2)]
+    encoder, book = PlanEncoder(), PlanBook()
+    first = book.feed(book.expand(wire(encoder, StepPlan(1, [RowPlan("x", [4, 9, 7], 0, pages, None, True, sampling)]))))
+    token = rng.randrange(3, 500)
+    book.sampled(StepResult(1, [RowResult("x", token, None)]))
+    grown = pages + [rng.randrange(900, 1800)]
+    second = StepPlan(2, [RowPlan("x", [FEED_SAMPLED], 3, grown, None, True, sampling, 1)])
+    ahead = book.expand(wire(encoder, second))
+    assert first.rows[0].kv_pages == pages  # the table step 1 ran with is left as it was
+    assert book.feed(ahead).rows[0].token_ids == [token] and ahead.rows[0].kv_pages == grown
+    book.failed()  # that step failed: nothing it sampled can be fed
+    encoder.reset()
+    with pytest.raises(ValueError, match="did not sample"):
+        book.feed(book.expand(wire(encoder, second)))
