@@ -20,10 +20,12 @@ def test_daemon_overhead_json(demo):
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    real, stub = report["demo_model"], report["stub_engine"]
-    assert real["steps"] > 0 and real["engine_ms_p50"] > 0
-    assert real["step_ms_p50"] >= real["engine_ms_p50"] * 0.5
-    assert math.isfinite(real["client_ttft_overhead_ms_median"])
+    stub = report["stub_engine"]
+    assert (report["demo_model"]["loop"], report["demo_model_overlap"]["loop"]) == ("sync", "overlap")
+    for real in (report["demo_model"], report["demo_model_overlap"]):
+        assert real["steps"] > 0 and real["engine_ms_p50"] > 0 and real["tokens_per_s"] > 0
+        assert real["step_ms_p50"] >= real["engine_ms_p50"] * 0.5
+        assert math.isfinite(real["client_ttft_overhead_ms_median"])
     assert stub["requests"] == 40 and stub["requests_per_s"] > 0
 
 

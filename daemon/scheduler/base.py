@@ -141,7 +141,7 @@ class BaseScheduler(ABC):
         finishing, its KV pages and adapter reference are released, and the receiver `requeue`s
         it (recompute from prompt + tokens so far). None when unknown or in the plan in flight."""
         seq = self._by_id.get(request_id)
-        if seq is None or request_id in self._fed or awaits_token(seq):
+        if seq is None or request_id in self._fed or self.launched.holds(request_id):
             return None
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
@@ -247,7 +247,7 @@ class BaseScheduler(ABC):
         placements stay valid)."""
         self._inflight = None
         self._fed.clear()
-        self.launched.rollback()
+        self.launched.rollback(self._by_id)
 
     def launch(self, plan: StepPlan) -> None:
         """`plan` went to the engine and the next one may be made before its result comes:

@@ -42,6 +42,10 @@ class LaunchedSteps:
     def __len__(self) -> int:
         return len(self._queue)
 
+    def holds(self, request_id: str) -> bool:
+        """A launched plan has a row of this request (it cannot be handed to another engine yet)."""
+        return any(seq.request_id == request_id for launched in self._queue for seq, *_ in launched.rows)
+
     def launch(self, plan: StepPlan, fed: dict[str, int], by_id: dict[str, Sequence]) -> None:
         """`plan` went to the engine: advance its sequences by what it feeds."""
         rows = []
@@ -64,11 +68,14 @@ class LaunchedSteps:
             raise ValueError(f"result of step {plan.step_id} is not the oldest launched step")
         return [(seq, index) for seq, _, index, _ in self._queue.popleft().rows if index >= 0]
 
-    def rollback(self) -> None:
+    def rollback(self, by_id: dict[str, Sequence]) -> None:
         """Take back every launched plan, newest first: their tokens are uncomputed again and their
-        placeholders gone (the steps failed, or the engine was lost)."""
+        placeholders gone (the steps failed, or the engine was lost). Sequences that left this
+        scheduler meanwhile (`by_id`: those it holds) are not touched."""
         while self._queue:
             for seq, n, index, preemptions in reversed(self._queue.pop().rows):
+                if by_id.get(seq.request_id) is not seq:
+                    continue
                 if index >= 0 and len(seq.output_ids) == index + 1 and seq.output_ids[index] == PENDING:
                     seq.output_ids.pop()
                     seq.logprobs.pop()
