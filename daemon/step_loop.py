@@ -143,8 +143,8 @@ class StepLoop:
         try:
             reply = await self.slot.link.collect()
         except EngineRefused as exc:
-            await self._abandon_inflight()
-            await self._refused(sent.plan, exc)
+            if await self._abandon_inflight():
+                await self._refused(sent.plan, exc)
             return
         except EngineDied as exc:
             await self._lose(str(exc))
@@ -158,9 +158,10 @@ class StepLoop:
             await self._apply(sched, sent.plan, reply, started - (sent.sent - sent.began), started)
         self._requeue_set_aside()
 
-    async def _abandon_inflight(self) -> None:
+    async def _abandon_inflight(self) -> bool:
         """A step failed: the steps after it were planned on its tokens, so their replies are
-        awaited and dropped, and every step in flight is planned again after a resync."""
+        awaited and dropped, and every step in flight is planned again after a resync. False
+        when the engine was lost meanwhile (that was dealt with)."""
         link = self.slot.link
         while link.outstanding:
             try:
@@ -169,11 +170,12 @@ class StepLoop:
                 continue
             except EngineDied as exc:
                 await self._lose(str(exc))
-                return
+                return False
         self.inflight.clear()
         self._takebacks += 1
         self.slot.scheduler.discard_inflight()
         self.slot.resync()
+        return True
 
     async def _lose(self, reason: str) -> None:
         """The engine is gone: take back what was in flight (the tokens streamed so far stay the
