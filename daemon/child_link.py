@@ -246,16 +246,29 @@ class ChildLink:
 
     async def call(self, order: Message, timeout_s: float | None = None) -> Message:
         """Send one order and return its reply; EngineRefused for a failure reply."""
-        self.callers += 1
+        await self._lock_drained()
         try:
-            await self._drained.wait()
-        finally:
-            self.callers -= 1
-        async with self._lock:
             self._check_running()
             await self._sock.send(order, identity=self._peer)
             reply = await self._receive(timeout_s or self.step_timeout_s)
+        finally:
+            self._lock.release()
         return await self._checked(reply)
+
+    async def _lock_drained(self) -> None:
+        """Take the lock with no submitted order outstanding, so that the next reply is ours.
+        Counted in `callers` until then: the step loop sees it, collects what it submitted and
+        submits nothing more (a submit needs the lock, which we then hold)."""
+        self.callers += 1
+        try:
+            while True:
+                await self._drained.wait()
+                await self._lock.acquire()
+                if not self.outstanding:
+                    return
+                self._lock.release()  # a submit got in between: wait for that one too
+        finally:
+            self.callers -= 1
 
     async def submit(self, order: Message) -> None:
         """Send an order without waiting for its reply; `collect` returns the replies in order."""

@@ -149,13 +149,16 @@ class StepLoop:
         except EngineDied as exc:
             await self._lose(str(exc))
             return
+        if not isinstance(reply, EngineStepDone):  # not a step's reply: what is in flight is unknown
+            log.error("engine %d answered a step with %s", self.slot.index, reply.TYPE)
+            await self._abandon_inflight()
+            return
         self.inflight.popleft()
         self.failures = 0
-        if isinstance(reply, EngineStepDone):
-            # The engine began this step when it was sent or when the step before came back; the
-            # daemon's own time is its planning (the wait for the step before is not).
-            started, self._returned = max(sent.sent, self._returned), time.perf_counter()
-            await self._apply(sched, sent.plan, reply, started - (sent.sent - sent.began), started)
+        # The engine began this step when it was sent or when the step before came back; the
+        # daemon's own time is its planning (the wait for the step before is not).
+        started, self._returned = max(sent.sent, self._returned), time.perf_counter()
+        await self._apply(sched, sent.plan, reply, started - (sent.sent - sent.began), started)
         self._requeue_set_aside()
 
     async def _abandon_inflight(self) -> bool:

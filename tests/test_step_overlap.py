@@ -177,3 +177,39 @@ def test_idle_overlapped_loop_waits_without_polling():
         return idle_steps
 
     assert asyncio.run(run()) == 0
+
+
+def test_a_call_waits_for_every_step_submitted_before_it_takes_the_link(tmp_path):
+    """An adapter order on a link with steps in flight: the call must not send until nothing is
+    outstanding, even when a step is submitted between the last collect and the call's turn
+    (its reply would otherwise be taken for the call's)."""
+    from loraplex.daemon.engine_link import EngineLink
+
+    async def run() -> list[str]:
+        link = EngineLink(None, tmp_path, None)
+        events: list[str] = []
+        link.outstanding = 1  # a step in flight
+        link._drained.clear()
+
+        async def caller() -> None:
+            await link._lock_drained()
+            events.append(f"call sends with {link.outstanding} outstanding")
+            link._lock.release()
+
+        task = asyncio.ensure_future(caller())
+        await asyncio.sleep(0)
+        assert link.callers == 1
+        link.outstanding = 0  # collected: drained ...
+        link._drained.set()
+        async with link._lock:  # ... and the step loop submits once more before the caller runs
+            link.outstanding = 1
+            link._drained.clear()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        events.append("second step collected")
+        link.outstanding = 0
+        link._drained.set()
+        await task
+        return events
+
+    assert asyncio.run(run()) == ["second step collected", "call sends with 0 outstanding"]
