@@ -43,6 +43,7 @@ log = logging.getLogger("loraplex.daemon.engine")
 # Until its hello, an engine loading a model may hold the GIL for long stretches (CUDA
 # context creation, weight conversion): its heartbeat may pause this long.
 START_SILENCE_S = 30.0
+MAKE_WAY_TURNS = 16  # event-loop turns a submit gives calls waiting for the link to take it
 
 
 class EngineDied(RuntimeError):
@@ -271,7 +272,13 @@ class ChildLink:
             self.callers -= 1
 
     async def submit(self, order: Message) -> None:
-        """Send an order without waiting for its reply; `collect` returns the replies in order."""
+        """Send an order without waiting for its reply; `collect` returns the replies in order.
+        Calls waiting for the link with nothing outstanding go first (else a loop that drains
+        and submits again without yielding could keep them waiting for ever)."""
+        for _ in range(MAKE_WAY_TURNS):
+            if not self.callers or self.outstanding:
+                break
+            await asyncio.sleep(0)  # a woken caller takes the lock within a turn or two; the lock is fair
         async with self._lock:
             self._check_running()
             await self._sock.send(order, identity=self._peer)

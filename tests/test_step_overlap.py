@@ -213,3 +213,38 @@ def test_a_call_waits_for_every_step_submitted_before_it_takes_the_link(tmp_path
         return events
 
     assert asyncio.run(run()) == ["second step collected", "call sends with 0 outstanding"]
+
+
+def test_a_call_is_not_starved_by_a_loop_that_drains_and_submits_again(tmp_path):
+    """The step loop drains for a waiting call and submits its next step at once, without
+    yielding: the call still gets the link first."""
+    from loraplex.daemon.engine_link import EngineLink
+
+    async def run() -> list[str]:
+        link = EngineLink(None, tmp_path, None)
+        link._check_running = lambda: None  # no process: only the ordering is checked
+        order: list[str] = []
+
+        class Sock:
+            async def send(self, msg, identity=None) -> None:
+                order.append(msg)
+
+        link._sock = Sock()
+        link.outstanding = 1
+        link._drained.clear()
+
+        async def caller() -> None:
+            await link._lock_drained()
+            order.append("call")
+            await asyncio.sleep(0)
+            link._lock.release()
+
+        task = asyncio.ensure_future(caller())
+        await asyncio.sleep(0)
+        link.outstanding = 0  # the step loop collected ...
+        link._drained.set()
+        await link.submit("step")  # ... and submits again straight away
+        await asyncio.wait_for(task, 5)  # (before the fix: the call waited for a drain that never came)
+        return order
+
+    assert asyncio.run(run()) == ["call", "step"]
