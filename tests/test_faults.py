@@ -9,6 +9,7 @@ Forward faults are armed at run time through the engine's test-only LORAPLEX_FAU
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -278,7 +279,8 @@ def test_out_of_memory_shrinks_the_batch_and_keeps_the_engine(either_loop, offli
     for req, exp in zip(reqs, expected):
         req.finish().check_exact(exp)
     assert _engine(daemon) == (pid, restarts), "an out-of-memory step must not cost the engine"
-    assert "ran out of memory on a step of 4 requests; retrying with 2" in daemon.log()
+    # Four requests, or fewer if one finished before the fault came (steps run ahead with overlap).
+    assert re.search(r"ran out of memory on a step of [234] requests; retrying with [12]\b", daemon.log())
 
 
 def test_out_of_memory_of_a_lone_request_fails_it_with_a_typed_error(either_loop, offline):
