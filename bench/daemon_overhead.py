@@ -5,7 +5,13 @@
    the daemon's scheduling/result-handling time per step;
 2. client-to-first-token overhead beyond engine time: client-measured TTFT minus
    the engine compute of the step that produced the first token;
-3. requests/s the daemon sustains with a stub engine that answers at once.
+3. requests/s the daemon sustains with a stub engine that answers at once;
+4. with `--stub-step-ms MS --batch B --context C` (`stub`): a stub engine process
+   (bench/stub_engine_process.py: the real link, sockets and plan codec) that sleeps MS
+   per step serves B concurrent requests with C-token prompts; per configuration, the
+   interval between the starts of two decode steps and how much of it the engine waited
+   for the daemon (`exposed_overhead_frac` = (interval - MS) / MS at p50), and the
+   decode plan's size on the wire.
 
 Every run starts its own daemon(s) in private runtime dirs. `--json` prints one
 JSON object on stdout; progress goes to stderr.
@@ -26,6 +32,8 @@ from pathlib import Path
 from loraplex.ipc.client import AsyncClient, Client, LoraplexError
 
 ROOT = Path(__file__).resolve().parent.parent
+DEMO_KIND = "random"  # the demo model this benchmark serves (its adapters: DEMO_ADAPTERS)
+DEMO_ADAPTERS = (None, "qv-r8", "attn-r16", "all-r32", "mlp-r64", "rslora-r16", "kdown-r8")
 
 
 def _log(msg: str) -> None:
@@ -57,14 +65,17 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def measure_real(concurrency: int, max_tokens: int, ttft_samples: int, env: dict[str, str]) -> dict:
+def measure_real(concurrency: int, max_tokens: int, ttft_samples: int, loop: str, env: dict[str, str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="lpx-bench-") as tmp:
         rt = Path(tmp) / "rt"
-        env = {**env, "LORAPLEX_STATE_DIR": str(Path(tmp) / "state")}
+        env = {**env, "LORAPLEX_SCHEDULER_OVERLAP": "true" if loop == "overlap" else "false"}
+        # The random demo, whatever the caller's LORAPLEX_DEMO says: its adapters are the ones asked
+        # for below, and the figures in RESULTS.md were taken on it.
+        env = {**env, "LORAPLEX_STATE_DIR": str(Path(tmp) / "state"), "LORAPLEX_DEMO": DEMO_KIND}
         proc = _start([sys.executable, "-m", "loraplex.cli", "serve", "--num-pages", "2048"], rt, env)
         try:
-            _log(f"demo model: {concurrency} concurrent streams x {max_tokens} tokens")
-            adapters = [None, "qv-r8", "attn-r16", "all-r32", "mlp-r64", "rslora-r16", "kdown-r8"]
+            _log(f"{loop} loop, demo model: {concurrency} concurrent streams x {max_tokens} tokens")
+            adapters = DEMO_ADAPTERS
 
             async def load() -> None:
                 async with AsyncClient(runtime_dir=rt) as client:
@@ -73,7 +84,9 @@ def measure_real(concurrency: int, max_tokens: int, ttft_samples: int, env: dict
                                         max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=600)
                         for i in range(concurrency)])
 
+            started = time.perf_counter()
             asyncio.run(load())
+            load_s = time.perf_counter() - started
             with Client(runtime_dir=rt) as c:
                 stats = c.stats()
                 _log(f"{ttft_samples} sequential requests for client TTFT")
@@ -99,6 +112,9 @@ def measure_real(concurrency: int, max_tokens: int, ttft_samples: int, env: dict
     engine_ms = lat["engine_ms"]["p50"]
     round_trip_us = stats["control_overhead_ms"] * 1e3
     return {
+        "loop": loop,
+        "streams": concurrency,
+        "tokens_per_s": concurrency * max_tokens / load_s,  # the streams' output tokens over their wall time
         "steps": stats["steps"],
         "mean_batch_rows": stats["mean_batch_rows"],
         "step_ms_p50": step_ms,
@@ -140,6 +156,75 @@ def measure_stub(clients: int, requests: int, max_tokens: int, env: dict[str, st
             "requests_per_s": done / elapsed, "tokens_per_s": done * max_tokens / elapsed}
 
 
+STUB_DECODE_STEPS = 40  # decode steps at full batch measured per --stub-step-ms configuration
+STUB_MAX_BATCHED_TOKENS = 8192
+LOOPS = ("sync", "overlap")  # scheduler.overlap false, true
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def measure_stub_steps(batch: int, context: int, step_ms: float, decode_steps: int, loop: str,
+                       env: dict[str, str]) -> dict:
+    """B requests of C-token prompts at once against the sleeping stub engine process; what the
+    decode steps with all B rows cost (each request decodes until the last one's prefill is done
+    and then `decode_steps` more)."""
+    import random
+
+    decode_tokens = decode_steps + -(-batch * context // STUB_MAX_BATCHED_TOKENS) + 2
+
+    with tempfile.TemporaryDirectory(prefix="lpx-bench-") as tmp:
+        rt, stats_path = Path(tmp) / "rt", Path(tmp) / "stub-stats.json"
+        env = {**env, "LORAPLEX_STATE_DIR": str(Path(tmp) / "state"), "PYTHONPATH": str(ROOT),
+               "LORAPLEX_STUB_STEP_MS": str(step_ms), "LORAPLEX_STUB_STATS": str(stats_path),
+               "LORAPLEX_STUB_MAX_MODEL_LEN": str(context + decode_tokens + 16)}
+        proc = _start([sys.executable, str(Path(__file__).resolve()), "--serve-stub-process", "--batch", str(batch),
+                       "--loops", loop], rt, env)
+        try:
+            _log(f"{loop} loop, stub engine process, {step_ms:g} ms a step: {batch} requests of {context} prompt tokens, "
+                 f"{decode_tokens} output tokens each")
+            rng = random.Random(batch * 7919 + context)
+            prompts = [[rng.randrange(3, 500) for _ in range(context)] for _ in range(batch)]
+
+            async def load() -> None:
+                async with AsyncClient(runtime_dir=rt) as client:
+                    await asyncio.gather(*[client.generate(p, max_tokens=decode_tokens, ignore_eos=True, timeout=600)
+                                           for p in prompts])
+
+            asyncio.run(load())
+        finally:
+            _stop(proc)
+        stats = json.loads(stats_path.read_text())
+    full = [i for i, rows in enumerate(stats["decode_rows"]) if rows == batch]
+    if not full:
+        raise RuntimeError("the stub engine saw no two decode steps of the whole batch in a row")
+    intervals = [stats["decode_intervals_ms"][i] for i in full]
+    interval = percentile(intervals, 0.5)
+    return {"loop": loop, "batch": batch, "context": context, "step_ms": step_ms, "decode_steps": len(intervals),
+            "step_interval_ms_p50": interval, "step_interval_ms_p90": percentile(intervals, 0.9),
+            "exposed_overhead_ms_p50": interval - step_ms, "exposed_overhead_frac": (interval - step_ms) / step_ms,
+            "plan_bytes_p50": percentile([stats["decode_plan_bytes"][i] for i in full], 0.5),
+            # Of the exposed time, what the engine spent between the end of one step and the start
+            # of the next (the rest: the stub's sleep overshooting, a busy host's scheduling).
+            "engine_idle_ms_p50": percentile([stats["decode_idle_ms"][i] for i in full], 0.5)}
+
+
+def serve_stub_process(batch: int, loop: str) -> int:
+    sys.path.insert(0, str(ROOT))
+    from bench.stub_engine import StubProcessLink
+    from loraplex.daemon.config import load_config
+    from loraplex.daemon.main import run_daemon
+
+    import uvloop
+
+    config = load_config(None, overrides={"scheduler.max_num_seqs": max(batch, 1),
+                                           "scheduler.max_batched_tokens": max(STUB_MAX_BATCHED_TOKENS, batch),
+                                           "scheduler.overlap": loop == "overlap"})
+    return uvloop.run(run_daemon(config, engine_factory=StubProcessLink))
+
+
 def serve_stub() -> int:
     sys.path.insert(0, str(ROOT))
     from bench.stub_engine import StubEngineLink
@@ -161,24 +246,52 @@ def main() -> int:
     parser.add_argument("--stub-clients", type=int, default=16)
     parser.add_argument("--stub-requests", type=int, default=2000)
     parser.add_argument("--stub-max-tokens", type=int, default=1)
+    parser.add_argument("--stub-step-ms", type=float, nargs="+", default=[],
+                        help="stub engine process sleeping this long per step (each value a configuration)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[64], help="--stub-step-ms: concurrent requests")
+    parser.add_argument("--context", type=int, nargs="+", default=[2048], help="--stub-step-ms: prompt tokens")
+    parser.add_argument("--stub-decode-steps", type=int, default=STUB_DECODE_STEPS,
+                        help="--stub-step-ms: decode steps of the whole batch measured")
+    parser.add_argument("--loops", nargs="+", choices=LOOPS, default=list(LOOPS),
+                        help="which step loops to run side by side (scheduler.overlap false / true): the demo model "
+                             "and each --stub-step-ms configuration")
+    parser.add_argument("--stub-only", action="store_true", help="run only the --stub-step-ms configurations")
     parser.add_argument("--serve-stub", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-stub-process", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_stub:
         return serve_stub()
+    if args.serve_stub_process:
+        return serve_stub_process(args.batch[0], args.loops[0])
+    if args.stub_only and not args.stub_step_ms:
+        parser.error("--stub-only needs --stub-step-ms")
+    for name in ("batch", "context"):
+        if min(getattr(args, name)) < 1:
+            parser.error(f"--{name} must be >= 1")
+    if any(ms <= 0 for ms in args.stub_step_ms) or args.stub_decode_steps < 2:
+        parser.error("--stub-step-ms must be > 0 and --stub-decode-steps >= 2")
     env = dict(os.environ)
-    report = {
+    report: dict = {
         "benchmark": "daemon_overhead",
         "env": {"python": sys.version.split()[0], "cpu_count": os.cpu_count(), "loadavg_1m": os.getloadavg()[0]},
-        "demo_model": measure_real(args.concurrency, args.max_tokens, args.ttft_samples, env),
-        "stub_engine": measure_stub(args.stub_clients, args.stub_requests, args.stub_max_tokens, env),
     }
+    if not args.stub_only:
+        for loop in args.loops:  # demo_model: the first loop asked for (sync by default); demo_model_<loop>: the others
+            key = "demo_model" if loop == args.loops[0] else f"demo_model_{loop}"
+            report[key] = measure_real(args.concurrency, args.max_tokens, args.ttft_samples, loop, env)
+        report["stub_engine"] = measure_stub(args.stub_clients, args.stub_requests, args.stub_max_tokens, env)
+    if args.stub_step_ms:
+        report["stub"] = [measure_stub_steps(b, c, ms, args.stub_decode_steps, loop, env)
+                          for ms in args.stub_step_ms for b in args.batch for c in args.context for loop in args.loops]
     report["env"]["loadavg_1m_after"] = os.getloadavg()[0]
     if args.json:
         print(json.dumps(report))
     else:
-        for section in ("demo_model", "stub_engine"):
-            print(section)
-            for key, value in report[section].items():
+        sections = [(s, report[s]) for s in ("demo_model", "demo_model_overlap", "stub_engine") if s in report]
+        sections += [(f"stub {c['loop']} B={c['batch']} C={c['context']} MS={c['step_ms']:g}", c) for c in report.get("stub", [])]
+        for title, section in sections:
+            print(title)
+            for key, value in section.items():
                 print(f"  {key:36s} {value:.3f}" if isinstance(value, float) else f"  {key:36s} {value}")
     return 0
 

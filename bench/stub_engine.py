@@ -1,13 +1,15 @@
-"""A stub engine link that answers every order at once, with no model.
+"""Stub engines, injected through `run_daemon(engine_factory=...)` to measure the daemon's own
+overhead; both speak the same messages as a real engine, so the daemon runs unchanged.
 
-Exists only to measure the daemon's own overhead (requests/s it sustains,
-control-plane cost): injected through `run_daemon(engine_factory=...)`. It
-speaks the same messages as a real engine, so the daemon runs unchanged.
+- StubEngineLink: no process; it answers every order at once (requests/s the daemon sustains).
+- StubProcessLink: the real engine link to a stub engine process (bench/stub_engine_process.py)
+  that sleeps a fixed time per step: what the control path between two steps costs.
 """
 from __future__ import annotations
 
 import os
 
+from loraplex.daemon.engine_link import EngineLink
 from loraplex.ipc.engine_plan import RowResult, StepResult
 from loraplex.ipc.protocol import (
     EngineAdapterLoaded,
@@ -51,3 +53,9 @@ class StubEngineLink:
 
     def describe(self) -> dict:
         return {"index": 0, "pid": os.getpid(), "alive": self.alive(), "starts": self.starts, "device": "stub"}
+
+
+class StubProcessLink(EngineLink):
+    """The daemon's engine link, its child the stub engine process (repository root on PYTHONPATH)."""
+
+    CHILD_MODULE = "bench.stub_engine_process"

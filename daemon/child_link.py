@@ -2,8 +2,10 @@
 manager): start it, exchange orders and replies over a private ROUTER socket, notice when it
 dies or hangs. EngineLink (engine_link.py) and CacheManagerLink (cache_link.py) say which child.
 
-One order is outstanding at a time (the child is a synchronous executor), so replies pair
-with orders by order. Every wait also watches the process: a dead or silent child raises
+The child is a synchronous executor, so replies pair with orders by order. `call` sends one
+order and waits for its reply; the step loop may instead `submit` step orders ahead and
+`collect` their replies in order (scheduler.overlap), and a `call` then waits until every
+submitted order was collected (`callers` tells the step loop to let it through). Every wait also watches the process: a dead or silent child raises
 EngineDied instead of hanging the daemon. The child also heartbeats over a pipe; one silent
 for `heartbeat_timeout_s` (stopped, wedged) is killed at once, busy or idle, and `on_lost`
 is called.
@@ -41,6 +43,7 @@ log = logging.getLogger("loraplex.daemon.engine")
 # Until its hello, an engine loading a model may hold the GIL for long stretches (CUDA
 # context creation, weight conversion): its heartbeat may pause this long.
 START_SILENCE_S = 30.0
+MAKE_WAY_TURNS = 16  # event-loop turns a submit gives calls waiting for the link to take it
 
 
 class EngineDied(RuntimeError):
@@ -87,6 +90,10 @@ class ChildLink:
         self._sock: AsyncTypedSocket | None = None
         self._peer: bytes | None = None
         self._lock = asyncio.Lock()
+        self.outstanding = 0  # submitted orders whose replies were not collected
+        self._drained = asyncio.Event()  # set while nothing is outstanding
+        self._drained.set()
+        self.callers = 0  # calls waiting for the submitted orders to drain
         self._heartbeat: HeartbeatWatch | None = None
         self.lost_reason: str | None = None  # why the running engine was lost (None while it is fine)
         self._hung = False  # lost by heartbeat silence: killed, not asked to exit
@@ -240,11 +247,68 @@ class ChildLink:
 
     async def call(self, order: Message, timeout_s: float | None = None) -> Message:
         """Send one order and return its reply; EngineRefused for a failure reply."""
-        async with self._lock:
-            if not self.alive() or self._sock is None or self._peer is None:
-                raise EngineDied(self.lost_reason or "engine is not running")
+        await self._lock_drained()
+        try:
+            self._check_running()
             await self._sock.send(order, identity=self._peer)
             reply = await self._receive(timeout_s or self.step_timeout_s)
+        finally:
+            self._lock.release()
+        return await self._checked(reply)
+
+    async def _lock_drained(self) -> None:
+        """Take the lock with no submitted order outstanding, so that the next reply is ours.
+        Counted in `callers` until then: the step loop sees it, collects what it submitted and
+        submits nothing more (a submit needs the lock, which we then hold)."""
+        self.callers += 1
+        try:
+            while True:
+                await self._drained.wait()
+                await self._lock.acquire()
+                if not self.outstanding:
+                    return
+                self._lock.release()  # a submit got in between: wait for that one too
+        finally:
+            self.callers -= 1
+
+    async def submit(self, order: Message) -> None:
+        """Send an order without waiting for its reply; `collect` returns the replies in order.
+        Calls waiting for the link with nothing outstanding go first (else a loop that drains
+        and submits again without yielding could keep them waiting for ever)."""
+        for _ in range(MAKE_WAY_TURNS):
+            if not self.callers or self.outstanding:
+                break
+            await asyncio.sleep(0)  # a woken caller takes the lock within a turn or two; the lock is fair
+        async with self._lock:
+            self._check_running()
+            await self._sock.send(order, identity=self._peer)
+            self.outstanding += 1
+            self._drained.clear()
+
+    async def collect(self, timeout_s: float | None = None) -> Message:
+        """The reply to the oldest submitted order; EngineRefused for a failure reply."""
+        async with self._lock:
+            if not self.outstanding:
+                raise RuntimeError("collect() without a submitted order")
+            try:
+                reply = await self._receive(timeout_s or self.step_timeout_s)
+            except EngineDied:
+                self._forget_outstanding()
+                raise
+            self.outstanding -= 1
+            if not self.outstanding:
+                self._drained.set()
+        return await self._checked(reply)
+
+    def _forget_outstanding(self) -> None:
+        self.outstanding = 0
+        self._drained.set()
+
+    def _check_running(self) -> None:
+        if not self.alive() or self._sock is None or self._peer is None:
+            raise EngineDied(self.lost_reason or "engine is not running")
+
+    async def _checked(self, reply: Message) -> Message:
         if isinstance(reply, EngineFailure):
             if reply.fatal:
                 await self._stop_child()
@@ -286,6 +350,7 @@ class ChildLink:
 
     async def _stop_child(self, grace_s: float = 5.0) -> None:
         """stop() for the running child only: the spare stays for the next start."""
+        self._forget_outstanding()  # a new child owes no reply to orders sent to this one
         proc, self.proc = self.proc, None
         hung, self._hung = self._hung, False
         if self._heartbeat is not None:

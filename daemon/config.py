@@ -140,6 +140,10 @@ class SchedulerSettings:
     admit_when_loaded: bool = field(default=_SCHEDULER.admit_when_loaded, metadata=_help(
         "on_demand loads: a request whose adapter is still being copied to the GPU waits in the queue "
         "while the batch runs on, instead of stalling every request in the step on the copy."))
+    overlap: bool = field(default=False, metadata=_help(
+        "Plan each step while the engine runs the one before (one step in flight ahead; the engine "
+        "feeds each decode row the token it sampled); false: the synchronous loop, which waits for "
+        "each step's result before planning the next."))
     router: str = field(default="most_idle", metadata=_help(
         f"Which engine a new request goes to (with server.engines > 1): {', '.join(ROUTERS)}."))
     router_profile: str | None = field(default=None, metadata=_help(

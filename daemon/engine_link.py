@@ -13,6 +13,7 @@ class EngineLink(ChildLink):
     CHILD_MODULE = "loraplex.gpu_engine.engine_process"
     ENDPOINT_NAME = "engine"
     HELLO_TYPE = EngineHello
+    PLAN_DELTAS = True  # the engine keeps a persistent batch (ipc/plan_delta.py)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

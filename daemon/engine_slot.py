@@ -24,7 +24,17 @@ from loraplex.daemon.router.state import EngineState
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.factory import make_scheduler
 from loraplex.daemon.scheduler.sequence import Sequence, SeqRequest
-from loraplex.ipc.protocol import EngineAdapterLoaded, EngineHello, EngineLoadAdapter, EngineStep, EngineUnloadAdapter
+from loraplex.ipc.engine_plan import StepPlan
+from loraplex.ipc.plan_delta import PlanEncoder
+from loraplex.ipc.protocol import (
+    EngineAdapterLoaded,
+    EngineHello,
+    EngineLoadAdapter,
+    EngineStep,
+    EngineStepDelta,
+    EngineUnloadAdapter,
+    Message,
+)
 
 log = logging.getLogger("loraplex.daemon")
 # Until an engine has run enough tokens to measure, the router assumes this rate.
@@ -53,6 +63,9 @@ class EngineSlot:
         self.busy_s = 0.0
         self.steps = 0
         self.step_times = StepTimes()  # what rank_aware reads of its steps
+        # Steps go as deltas against the engine's persistent batch when its link takes them
+        # (a process link does; in-process test stubs read whole plans).
+        self.plans = PlanEncoder() if getattr(link, "PLAN_DELTAS", False) else None
 
     # ---- state ------------------------------------------------------------------------------
     @property
@@ -142,6 +155,7 @@ class EngineSlot:
         then queue what waited for this engine. Raises EngineDied / EngineRefused."""
         hello = await self.link.start()
         self.hello = hello
+        self.resync()  # a fresh engine knows no row
         geometry = PageGeometry(kv_dim=hello.kv_dim, page_tokens=hello.page_tokens, max_row_width=hello.page_elems)
         self.allocator = PageAllocator(hello.num_pages)
         self.load_mode = hello.load_mode
@@ -155,6 +169,17 @@ class EngineSlot:
                 await self.load_adapter(entry)
         self.scheduler = scheduler
         return hello
+
+    def step_order(self, plan: StepPlan) -> Message:
+        """The order that runs `plan` on this engine: a delta against its batch where it keeps one."""
+        if self.plans is None:
+            return EngineStep(plan=plan)
+        return EngineStepDelta(delta=self.plans.encode(plan))
+
+    def resync(self) -> None:
+        """The engine's batch is unknown (restarted, or it refused a step): the next step sends it whole."""
+        if self.plans is not None:
+            self.plans.reset()
 
     def release_waiting(self) -> None:
         """After bring-up: queue the sequences and requests that waited for this engine."""

@@ -4,11 +4,19 @@ Between two steps it carries out what was asked meanwhile (pause, a policy switc
 migrations, the router's rebalancing); around a step it handles the three ways one fails:
 the engine ran out of memory (the batch shrinks), refused the step (after a few in a row it
 counts as lost) or died (it is restarted and its requests recomputed). Torch-free.
+
+With scheduler.overlap (and an engine that keeps a persistent batch) the loop keeps one step
+in flight ahead: it plans and sends step n+1 while the engine runs step n, then collects
+n's result (docs/architecture.md, "The step loop"). What must see the engine idle (a pause,
+a policy switch, migrations, an adapter order on the link, a CPU-assisted step) waits for
+the steps in flight first; a failed step takes back every step in flight.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 
 from loraplex.daemon.adapter_table import AdapterTable
 from loraplex.daemon.child_link import EngineDied, EngineRefused
@@ -22,10 +30,18 @@ from loraplex.daemon.scheduler.sequence import Sequence
 from loraplex.daemon.stats import ServingStats
 from loraplex.ipc.engine_plan import StepPlan
 from loraplex.ipc.errors import ErrorCode
-from loraplex.ipc.protocol import EngineStep, EngineStepDone, Message
+from loraplex.ipc.protocol import EngineStepDone, Message
 
 log = logging.getLogger("loraplex.daemon")
 MAX_STEP_FAILURES = 3  # refused steps in a row before the engine counts as lost
+AHEAD = 2  # steps sent to the engine at most: the one it runs and the next
+
+
+@dataclass(slots=True)
+class _Sent:
+    plan: StepPlan
+    began: float  # planning started
+    sent: float
 
 
 class StepLoop:
@@ -40,10 +56,20 @@ class StepLoop:
         self.decisions = decisions
         self.failures = 0  # refused steps in a row
         self.set_aside: list[Sequence] = []  # after an out-of-memory step; requeued after the next good one
+        self.inflight: deque[_Sent] = deque()  # overlap: steps sent whose results are not applied
+        self._returned = 0.0  # when the last result came back: the engine's next step began then
+        self._takebacks = 0  # times the steps in flight were taken back (a failure, a lost engine)
+
+    @property
+    def overlap(self) -> bool:
+        return self.slot.config.scheduler.overlap and self.slot.plans is not None
 
     async def run(self) -> None:
         slot = self.slot
         slot.link.on_lost = slot.work.set  # an engine that dies or hangs while idle wakes this loop
+        if self.overlap:
+            await self._run_overlapped()
+            return
         while True:
             await slot.work.wait()
             if not await self._may_step():
@@ -63,11 +89,111 @@ class StepLoop:
             if reply is not None:
                 self._requeue_set_aside()
 
+    async def _run_overlapped(self) -> None:
+        """The loop with one step in flight ahead: plan and send while fewer than AHEAD steps are
+        out, else (or when nothing more can be planned) collect and apply the oldest."""
+        slot = self.slot
+        while True:
+            if not self.inflight:
+                await slot.work.wait()
+            if self.inflight and self._must_drain():
+                await self._collect()
+                continue
+            if not await self._may_step():
+                continue
+            began = time.perf_counter()
+            if not self.inflight:
+                self._between_steps()
+            sched = slot.scheduler
+            plan = await self._schedule(sched) if len(self.inflight) < AHEAD and self._may_plan_ahead() else None
+            if plan is None:
+                if self.inflight:
+                    await self._collect()
+                else:
+                    self._rest()
+                continue
+            takebacks = self._takebacks
+            plan = await self._prepare(sched, plan)
+            while plan.cpu is not None and self.inflight:  # CPU workers take one step at a time
+                await self._collect()
+            if takebacks != self._takebacks:  # planned on steps that failed meanwhile: planned again
+                continue
+            try:
+                await slot.link.submit(slot.step_order(plan))
+            except EngineDied as exc:
+                sched.discard_inflight()
+                await self._lose(str(exc))
+                continue
+            sched.launch(plan)
+            self.inflight.append(_Sent(plan, began, time.perf_counter()))
+
+    def _must_drain(self) -> bool:
+        """What needs the engine idle, or a scheduler between steps, is waiting."""
+        slot = self.slot
+        return (self.controls.paused or slot.policy_switch is not None or bool(slot.moves)
+                or slot.link.callers > 0 or self.engines.replicas.due_for_rebalance())
+
+    def _may_plan_ahead(self) -> bool:
+        """Nothing in flight needs the engine alone: a CPU-assisted step runs with none ahead."""
+        return not any(sent.plan.cpu is not None for sent in self.inflight)
+
+    async def _collect(self) -> None:
+        """Wait for the oldest step in flight and apply it; a failure takes back every step in flight."""
+        sched, sent = self.slot.scheduler, self.inflight[0]
+        try:
+            reply = await self.slot.link.collect()
+        except EngineRefused as exc:
+            if await self._abandon_inflight():
+                await self._refused(sent.plan, exc)
+            return
+        except EngineDied as exc:
+            await self._lose(str(exc))
+            return
+        if not isinstance(reply, EngineStepDone):  # not a step's reply: what is in flight is unknown
+            log.error("engine %d answered a step with %s", self.slot.index, reply.TYPE)
+            await self._abandon_inflight()
+            return
+        self.inflight.popleft()
+        self.failures = 0
+        # The engine began this step when it was sent or when the step before came back; the
+        # daemon's own time is its planning (the wait for the step before is not).
+        started, self._returned = max(sent.sent, self._returned), time.perf_counter()
+        await self._apply(sched, sent.plan, reply, started - (sent.sent - sent.began), started)
+        self._requeue_set_aside()
+
+    async def _abandon_inflight(self) -> bool:
+        """A step failed: the steps after it were planned on its tokens, so their replies are
+        awaited and dropped, and every step in flight is planned again after a resync. False
+        when the engine was lost meanwhile (that was dealt with)."""
+        link = self.slot.link
+        while link.outstanding:
+            try:
+                await link.collect()
+            except EngineRefused:
+                continue
+            except EngineDied as exc:
+                await self._lose(str(exc))
+                return False
+        self.inflight.clear()
+        self._takebacks += 1
+        self.slot.scheduler.discard_inflight()
+        self.slot.resync()
+        return True
+
+    async def _lose(self, reason: str) -> None:
+        """The engine is gone: take back what was in flight (the tokens streamed so far stay the
+        recompute's starting point), then restart it."""
+        self.inflight.clear()
+        self._takebacks += 1
+        if self.slot.scheduler is not None:
+            self.slot.scheduler.discard_inflight()
+        await self.engines.engine_lost(self.slot, reason)
+
     async def _may_step(self) -> bool:
         """False when the engine was lost (it is restarted first) or scheduling is paused."""
         slot = self.slot
         if not slot.link.alive():
-            await self.engines.engine_lost(slot, getattr(slot.link, "lost_reason", None) or "the engine exited")
+            await self._lose(getattr(slot.link, "lost_reason", None) or "the engine exited")
             return False
         if self.controls.paused:
             slot.work.clear()  # resuming wakes us
@@ -116,9 +242,10 @@ class StepLoop:
     async def _run(self, sched: BaseScheduler, plan: StepPlan) -> Message | None:
         """The engine runs the step; None when it failed (and that was dealt with)."""
         try:
-            reply = await self.slot.link.call(EngineStep(plan=plan))
+            reply = await self.slot.link.call(self.slot.step_order(plan))
         except EngineRefused as exc:
             sched.discard_inflight()
+            self.slot.resync()
             await self._refused(plan, exc)
             return None
         except EngineDied as exc:

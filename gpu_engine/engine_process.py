@@ -9,6 +9,7 @@ inherited pipe, and reports every failure it can survive as an
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 import os
 import time
 import traceback
@@ -25,18 +26,21 @@ from loraplex.gpu_engine.malloc_arenas import bound_malloc_arenas
 from loraplex.gpu_engine.runtime import EngineRuntime, build_runtime
 from loraplex.gpu_engine.store_reader import StoreReader
 from loraplex.ipc.adapter_files import allow_also, resolve_roots
+from loraplex.ipc.engine_plan import StepPlan
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
     EngineAdapterLoaded,
     EngineFailure,
     EngineHello,
     EngineLoadAdapter,
-    EngineShutdown,
     EngineStep,
+    EngineStepDelta,
     EngineStepDone,
     EngineUnloadAdapter,
     Message,
 )
+from loraplex.ipc.order_pump import OrderPump
+from loraplex.ipc.plan_delta import PlanBook
 from loraplex.ipc.sockets import TypedSocket
 
 ROLE = "loraplex-engine"
@@ -116,6 +120,16 @@ def hello_for(runtime: EngineRuntime, demo: bool, resources: CpuAssistResources 
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ExpandedStep:
+    """A step delta expanded on the pump's thread, its sampled tokens not yet fed."""
+    plan: StepPlan
+
+
+def _refused_plan(step_id: int, exc: Exception) -> EngineFailure:
+    return EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"step plan refused: {exc}", subject=str(step_id))
+
+
 class EngineServer:
     def __init__(self, runtime: EngineRuntime, sock: TypedSocket, *, demo: bool = False,
                  resources: CpuAssistResources | None = None) -> None:
@@ -125,32 +139,57 @@ class EngineServer:
         self.resources = resources
         self.stores = StoreReader(pin=runtime.executor.device.type == "cuda")  # the cache manager's store
         self.roots = resolve_roots(runtime.spec.adapter_dirs)  # where adapter files may resolve (server.adapter_dirs)
+        self.book = PlanBook()  # the persistent batch the daemon's step deltas refer to
 
     def serve(self) -> None:
         hello = hello_for(self.runtime, self.demo, self.resources)
         self.roots = allow_also(self.roots, hello.demo_adapters.values())  # the demo's own adapters are allowed
         self.sock.send(hello)
-        while True:
-            msg = self.sock.recv().message
-            if isinstance(msg, EngineShutdown):
-                return
-            self.sock.send(self.handle(msg))
+        # Orders are received and their plans expanded on the pump's thread while a step runs.
+        pump = OrderPump(self.sock, self.prepare).start()
+        try:
+            pump.serve(self.begin, self.handle)
+        finally:
+            pump.stop()
 
-    def handle(self, msg: Message) -> Message:
-        executor = self.runtime.executor
-        if isinstance(msg, EngineStep):
+    def prepare(self, msg: Message, nbytes: int = 0) -> object:
+        """On the pump's thread: a step delta expanded against the persistent batch (or the
+        refusal to send back); any other order as it came."""
+        if isinstance(msg, EngineStepDelta):
             try:
-                return EngineStepDone(result=executor.execute(msg.plan))
-            except _OOM_ERRORS as exc:  # the daemon retries with a smaller batch; we stay up
-                log.error("step %d ran out of memory: %s", msg.plan.step_id, exc)
-                if executor.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                return EngineFailure(code=ErrorCode.OVERLOADED.value, message=f"out of memory: {exc}",
-                                     subject=str(msg.plan.step_id))
-            except Exception as exc:  # the daemon re-plans the step; the process keeps serving
-                log.error("step %d failed: %s", msg.plan.step_id, traceback.format_exc())
-                return EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"step failed: {exc}",
-                                     subject=str(msg.plan.step_id))
+                return ExpandedStep(self.book.expand(msg.delta))
+            except ValueError as exc:  # the daemon resynchronises with the next step
+                return _refused_plan(msg.delta.step_id, exc)
+        return msg
+
+    def begin(self, msg: object) -> object:
+        """Just before running it: a step fed the tokens its rows sampled in the last one."""
+        if isinstance(msg, EngineStepDelta):
+            msg = self.prepare(msg)
+        if isinstance(msg, ExpandedStep):
+            try:
+                self.book.feed(msg.plan)
+            except ValueError as exc:
+                self.book.failed()
+                return _refused_plan(msg.plan.step_id, exc)
+        return msg
+
+    def handle(self, msg: object) -> Message:
+        executor = self.runtime.executor
+        if isinstance(msg, EngineStepDelta):  # not through the pump: expand and feed it here
+            msg = self.begin(msg)
+        if isinstance(msg, EngineFailure):  # a plan that could not be expanded or fed
+            return msg
+        if isinstance(msg, ExpandedStep):
+            plan = msg.plan
+            reply = self._step(plan)
+            if isinstance(reply, EngineStepDone):
+                self.book.sampled(reply.result)
+            else:
+                self.book.failed()
+            return reply
+        if isinstance(msg, EngineStep):
+            return self._step(msg.plan)
         if isinstance(msg, EngineLoadAdapter):
             return self._load(msg)
         if isinstance(msg, EngineUnloadAdapter):
@@ -160,6 +199,21 @@ class EngineServer:
                 self.resources.store.remove(msg.name)
             return EngineAdapterLoaded(name=msg.name, rank=0, target_modules=[], num_pages=0, nbytes=0)
         return EngineFailure(code=ErrorCode.UNKNOWN_TYPE.value, message=f"engine cannot handle {msg.TYPE}")
+
+    def _step(self, plan: StepPlan) -> Message:
+        executor = self.runtime.executor
+        try:
+            return EngineStepDone(result=executor.execute(plan))
+        except _OOM_ERRORS as exc:  # the daemon retries with a smaller batch; we stay up
+            log.error("step %d ran out of memory: %s", plan.step_id, exc)
+            if executor.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return EngineFailure(code=ErrorCode.OVERLOADED.value, message=f"out of memory: {exc}",
+                                 subject=str(plan.step_id))
+        except Exception as exc:  # the daemon re-plans the step; the process keeps serving
+            log.error("step %d failed: %s", plan.step_id, traceback.format_exc())
+            return EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"step failed: {exc}",
+                                 subject=str(plan.step_id))
 
     def _load(self, msg: EngineLoadAdapter) -> Message:
         executor = self.runtime.executor

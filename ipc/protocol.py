@@ -66,6 +66,7 @@ from loraplex.ipc.messages.engine import (
     EngineLoadAdapter,
     EngineShutdown,
     EngineStep,
+    EngineStepDelta,
     EngineStepDone,
     EngineUnloadAdapter,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "EngineLoadAdapter",
     "EngineShutdown",
     "EngineStep",
+    "EngineStepDelta",
     "EngineStepDone",
     "EngineUnloadAdapter",
     "ADAPTER_PATHS",

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from loraplex.ipc.shm import list_segments
+from tests.bench_env import user_env
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "cpu_lora_compute.py"
 
@@ -23,7 +23,7 @@ def positive(x: Any) -> bool:
 
 def test_small_run_json(tmp_path: Path) -> None:
     before = set(list_segments("/lpx-cpubench"))
-    env = {**os.environ, "LORAPLEX_CACHE_DIR": str(tmp_path)}
+    env = user_env(LORAPLEX_CACHE_DIR=str(tmp_path))
     args = ["--small", "--json", "--ranks", "8", "--prompt-lens", "8", "24", "--parallel-ranks", "4", "8",
             "--parallel-lens", "10", "--repeats", "1", "--workers", "2"]
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +15,13 @@ from typing import Any
 
 import pytest
 
+from tests.bench_env import user_env
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def run_script(name: str, args: list[str], cache: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "LORAPLEX_CACHE_DIR": str(cache)}
+    env = user_env(LORAPLEX_CACHE_DIR=str(cache))
     return subprocess.run([sys.executable, str(BENCH / name), *args], env=env, capture_output=True,
                           text=True, timeout=120, check=False)
 

@@ -8,6 +8,7 @@ was batched, chunked or preempted.
 """
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 import zlib
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.memory.allocator import ADAPTER, KV, PageAllocator
 from loraplex.daemon.scheduler.fcfs import FcfsScheduler, SchedulerConfig
+from loraplex.daemon.scheduler.lookahead import PENDING
 from loraplex.daemon.scheduler.sequence import SeqRequest, SeqStatus, Sequence
 from loraplex.errors import CapacityError, DuplicateRequestError
 from loraplex.ipc.engine_plan import RowResult, SamplingSpec, StepPlan, StepResult
@@ -59,6 +61,9 @@ class FakeEngine:
         self.first_step: dict[str, int] = {}
         self.steps = 0
         self.last_step_id = -1
+        self.last_sampled: dict[str, int] = {}  # what PENDING means in the next step (overlap)
+        self.fed: dict[str, list[int]] = {}  # request -> the tokens this engine fed it, by position
+        self.samples: list[tuple[str, int]] = []  # (request, output index) of every sampling row run
 
     def add(self, req: SeqRequest) -> Sequence:
         seq = self.sched.add(req)
@@ -102,23 +107,52 @@ class FakeEngine:
             assert not (set(row.kv_pages) - mine) & written, "a row reads a page another row writes"
             written |= mine
             read |= set(row.kv_pages)
-            context = []
+            # What this engine fed at each position (overlap: a PENDING output in `full` is the token
+            # it sampled); past what it fed for this request (a prefix cached by another), the prompt.
+            fed = self.fed.get(row.request_id, [])
+            known = fed[:row.start_pos] + full[len(fed):row.start_pos]
+            assert PENDING not in known
             for pos in range(row.start_pos):  # read the computed prefix back from its pages
                 page, off = geometry.kv_slot(pos)
                 entry = self.kv.get((row.kv_pages[page], off))
                 # The KV at a position is the same only for the same adapter and the same tokens
                 # up to it (a prefix shared between requests, or the request's own).
-                assert entry == (row.adapter, tuple(full[:pos + 1])), f"KV of position {pos} lost"
-                context.append(full[pos])
-            for pos, tok in enumerate(row.token_ids, start=row.start_pos):
+                assert entry == (row.adapter, tuple(known[:pos + 1])), f"KV of position {pos} lost"
+            # A launched step's token (overlap) is fed as the one this engine sampled for the row.
+            seen = known + [self.last_sampled[row.request_id] if t == PENDING else t for t in row.token_ids]
+            for pos in range(row.start_pos, end):
                 page, off = geometry.kv_slot(pos)
-                self.kv[(row.kv_pages[page], off)] = (row.adapter, tuple(full[:pos + 1]))
-            context += row.token_ids
+                self.kv[(row.kv_pages[page], off)] = (row.adapter, tuple(seen[:pos + 1]))
+            self.fed[row.request_id] = seen
+            context = seen
             if row.sample:
                 tok = self.token_fn(row.adapter, row.sampling.seed, context)
                 results.append(RowResult(request_id=row.request_id, token_id=tok, logprob=None))
+                self.samples.append((row.request_id, row.sample_index))
+        self.last_sampled = {r.request_id: r.token_id for r in results}
         self.steps += 1
         return StepResult(step_id=plan.step_id, rows=results)
+
+    def run_overlapped(self, rng: random.Random | None = None, max_steps: int = 20_000) -> list[Sequence]:
+        """As the daemon's overlapped step loop drives it: up to two steps sent, each planned
+        before the one before it was applied; with `rng`, some steps fail, taking back both."""
+        finished: list[Sequence] = []
+        inflight: list[tuple[StepPlan, StepResult]] = []
+        while self.sched.has_work() or inflight:
+            plan = self.sched.schedule() if len(inflight) < 2 else None
+            if plan is not None:
+                inflight.append((plan, self.execute(plan)))  # the engine runs steps in order
+                self.sched.launch(plan)
+            elif rng is not None and rng.random() < 0.1:
+                inflight.clear()  # the oldest step failed: the next was planned on it
+                self.sched.discard_inflight()
+                self.last_sampled = {}
+            else:
+                assert inflight, "requests queued but nothing scheduled"
+                finished += self.sched.apply(*inflight.pop(0))
+            assert self.steps < max_steps
+        assert self.sched.schedule() is None
+        return finished
 
     def run(self, max_steps: int = 20_000) -> list[Sequence]:
         finished: list[Sequence] = []
@@ -181,15 +215,20 @@ def workloads(draw):
                 max_batched_tokens=draw(st.integers(1, 40)), max_num_seqs=draw(st.integers(1, 6)))
 
 
-@settings(max_examples=60, deadline=None)
-@given(workloads())
-def test_random_workloads_finish_with_the_reference_tokens(w) -> None:
+def workload_engine(w) -> tuple[FcfsScheduler, FakeEngine, list[Sequence]]:
+    """A pool just large enough for the workload's biggest request, plus its slack; its requests queued."""
     geometry = PageGeometry(kv_dim=2, page_tokens=w["page_tokens"], max_row_width=0)
     biggest = max(worst_pages(r, geometry, w["max_model_len"]) for r in w["reqs"])
     sched = make(biggest + w["slack"], page_tokens=w["page_tokens"], max_batched_tokens=w["max_batched_tokens"],
                  max_num_seqs=w["max_num_seqs"], max_model_len=w["max_model_len"])
     engine = FakeEngine(sched)
-    seqs = [engine.add(r) for r in w["reqs"]]
+    return sched, engine, [engine.add(r) for r in w["reqs"]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(workloads())
+def test_random_workloads_finish_with_the_reference_tokens(w) -> None:
+    sched, engine, seqs = workload_engine(w)
     finished = engine.run()
     assert sorted(s.request_id for s in finished) == sorted(r.request_id for r in w["reqs"])
     for seq in seqs:
@@ -202,6 +241,26 @@ def test_random_workloads_finish_with_the_reference_tokens(w) -> None:
     # FCFS: a request is first scheduled no earlier than any request that arrived before it.
     order = [engine.first_step[r.request_id] for r in w["reqs"]]
     assert order == sorted(order)
+    assert_drained(sched)
+
+
+@settings(max_examples=60, deadline=None)
+@given(workloads(), st.integers(0, 1 << 30), st.booleans())
+def test_overlapped_steps_finish_with_the_reference_tokens(w, seed: int, failures: bool) -> None:
+    """One step planned ahead (scheduler.overlap): the same tokens as run alone, however steps
+    were batched, preempted or failed; a request that finished costs at most one wasted row."""
+    sched, engine, seqs = workload_engine(w)
+    finished = engine.run_overlapped(random.Random(seed) if failures else None)
+    assert sorted(s.request_id for s in finished) == sorted(r.request_id for r in w["reqs"])
+    for seq in seqs:
+        assert (seq.output_ids, seq.finish_reason) == reference(seq.req, w["max_model_len"]), seq.request_id
+        assert seq.status is SeqStatus.FINISHED and seq.kv_pages == []
+    if not failures:
+        final = {s.request_id: s for s in seqs}
+        wasted = [rid for rid, index in engine.samples if index >= len(final[rid].output_ids)]
+        assert len(wasted) == len(set(wasted)), "a finished request ran more than one row"
+        # A length finish is known in advance: only a sampled stop wastes a row.
+        assert all(final[rid].finish_reason == "stop" for rid in wasted)
     assert_drained(sched)
 
 

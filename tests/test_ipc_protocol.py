@@ -44,6 +44,7 @@ from loraplex.ipc.protocol import (
     EngineLoadAdapter,
     EngineShutdown,
     EngineStep,
+    EngineStepDelta,
     EngineStepDone,
     EngineUnloadAdapter,
     Message,
@@ -54,6 +55,7 @@ from loraplex.ipc.protocol import (
 from loraplex.ipc.adapter_store import store_entry_layout
 from loraplex.ipc.engine_plan import AdapterPlacement, RowPlan, RowResult, SamplingSpec, StepPlan, StepResult
 from loraplex.ipc.exchange import exchange_layout
+from loraplex.ipc.plan_delta import PlanEncoder
 from loraplex.ipc.protocol import (
     CacheHello,
     CacheStoreFull,
@@ -98,6 +100,7 @@ SAMPLES: list[Message] = [
                         scaling=0.5),
     EngineUnloadAdapter(name="sql"),
     EngineStep(plan=_PLAN),
+    EngineStepDelta(delta=PlanEncoder().encode(_PLAN)),
     EngineStepDone(result=StepResult(step_id=7, rows=[RowResult(request_id="ab/r1", token_id=3, logprob=-0.5)],
                                      forward_ms=1.5, sample_ms=0.25)),
     EngineShutdown(),

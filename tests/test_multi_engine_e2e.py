@@ -36,11 +36,15 @@ def reference(demo):
     return prompts, [o.token_ids for o in outs]
 
 
-@pytest.fixture(scope="module")
-def two_engines(demo, tmp_path_factory):
+@pytest.fixture(scope="module", params=[  # overlap: ~60 s more; engine faults under overlap run in test_faults
+    pytest.param(False, id="sync"), pytest.param(True, id="overlap", marks=pytest.mark.slow)])
+def two_engines(demo, tmp_path_factory, request):
+    """Two engines, with the synchronous step loop and with one step in flight ahead (migrations,
+    the dlora router's rebalancing and a killed engine then meet steps in flight)."""
     adapters = [f"--adapter={name}={path}" for name, path in demo.adapters.items()]
     proc = DaemonProcess(tmp_path_factory.mktemp("engines2"), "--model", str(demo.model_dir), *adapters,
-                         "--engines", "2", "--max-num-seqs", "4").start()
+                         "--engines", "2", "--max-num-seqs", "4",
+                         env={"LORAPLEX_SCHEDULER_OVERLAP": "true" if request.param else "false"}).start()
     yield proc
     assert proc.stop() == 0, proc.log()
 

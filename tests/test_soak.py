@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_env import user_env
+
 SOAK = Path(__file__).resolve().parents[1] / "bench" / "soak.py"
 
 
 def soak(*args: str, timeout: float) -> dict:
     out = subprocess.run([sys.executable, str(SOAK), "--json", *args], capture_output=True, text=True,
-                         timeout=timeout, check=False)
+                         timeout=timeout, check=False, env=user_env())
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["daemon_exit_status"] == 0, report["daemon_log_tail"]

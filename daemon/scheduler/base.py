@@ -25,6 +25,7 @@ from loraplex.daemon.memory.prefix_cache import PrefixCache
 from loraplex.daemon.scheduler.admission import EarlyAbort, SloAdmission
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.estimators import OutputLengthPredictor, StepCostModel
+from loraplex.daemon.scheduler.lookahead import PENDING, LaunchedSteps, awaits_token
 from loraplex.daemon.scheduler.sequence import SeqRequest, SeqStatus, Sequence
 from loraplex.errors import CapacityError, DuplicateRequestError
 from loraplex.ipc.engine_plan import RowPlan, StepPlan, StepResult
@@ -35,8 +36,9 @@ Clock = Callable[[], float]
 class BaseScheduler(ABC):
     """Contract: `add` queues a request; `schedule` returns the next StepPlan (None when
     nothing can run) and must be followed by `apply` with its result (or by
-    `discard_inflight` when the engine failed it) before the next `schedule`;
-    `take_aborted` hands over requests dropped by early abort since the last call."""
+    `discard_inflight` when the engine failed it) before the next `schedule`, or by `launch`,
+    which lets the next plan be made before this one's result is applied (scheduler.overlap:
+    lookahead.py); `take_aborted` hands over requests dropped by early abort since the last call."""
 
     policy: ClassVar[str] = "base"
 
@@ -65,6 +67,7 @@ class BaseScheduler(ABC):
         self._fed: dict[str, int] = {}  # request id -> tokens fed in the plan in flight
         self.num_preemptions = 0
         self._inflight: int | None = None  # step id of the plan whose result is awaited
+        self.launched = LaunchedSteps()  # plans launched ahead of their results (overlap)
         self._scheduled_at = 0.0
         self.cost = StepCostModel()
         self.predictor = OutputLengthPredictor()
@@ -83,7 +86,7 @@ class BaseScheduler(ABC):
     def adopt(self, other: BaseScheduler) -> None:
         """Take over another policy's state between two steps (a run-time policy switch):
         the same allocator, adapter residency, queue and running sequences."""
-        if other._inflight is not None:
+        if other._inflight is not None or len(other.launched):
             raise RuntimeError("a scheduler can only be switched between steps")
         self.adapters = other.adapters
         self.prefix = other.prefix
@@ -149,7 +152,7 @@ class BaseScheduler(ABC):
         finishing, its KV pages and adapter reference are released, and the receiver `requeue`s
         it (recompute from prompt + tokens so far). None when unknown or in the plan in flight."""
         seq = self._by_id.get(request_id)
-        if seq is None or request_id in self._fed:
+        if seq is None or request_id in self._fed or self.launched.holds(request_id):
             return None
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
@@ -251,15 +254,26 @@ class BaseScheduler(ABC):
                         merged_adapter=self.merged_adapter)
 
     def discard_inflight(self) -> None:
-        """The engine failed to run the plan in flight: nothing it planned was computed, so the
-        same tokens are simply planned again (pages and adapter placements stay valid)."""
+        """The engine failed to run the plan in flight (and every launched one): nothing they
+        planned was computed, so the same tokens are simply planned again (pages and adapter
+        placements stay valid)."""
         self._inflight = None
         self._fed.clear()
+        self.launched.rollback(self._by_id)
+
+    def launch(self, plan: StepPlan) -> None:
+        """`plan` went to the engine and the next one may be made before its result comes:
+        its sequences advance as if it had run (lookahead.py); `apply` resolves it later."""
+        if plan.step_id != self._inflight:
+            raise ValueError(f"step {plan.step_id} is not the plan in flight ({self._inflight})")
+        self.launched.launch(plan, self._fed, self._by_id)
+        self._fed.clear()
+        self._inflight = None
 
     def _run(self, seq: Sequence, n: int) -> bool:
         """Plan `n` more tokens of a running sequence (lengthening its row if it has one in this
         plan already); may preempt the newest running sequence for KV pages."""
-        if n <= 0 or seq.status is not SeqStatus.RUNNING:
+        if n <= 0 or seq.status is not SeqStatus.RUNNING or self._reached_length(seq):
             return False
         row = self._rows.pop(seq.request_id, None)
         if row is not None:
@@ -279,7 +293,7 @@ class BaseScheduler(ABC):
     def _admit(self, seq: Sequence, n: int) -> bool:
         """Move a queued sequence into the batch with its first `n` tokens; False (and nothing
         changed) when a seat, the adapter's pages or the KV pages are not there."""
-        if n <= 0 or seq.status is not SeqStatus.WAITING or not self._has_seat(seq):
+        if n <= 0 or seq.status is not SeqStatus.WAITING or awaits_token(seq) or not self._has_seat(seq):
             return False
         adapter = seq.req.adapter
         if seq.num_preemptions and not self._context_fits(seq):
@@ -522,9 +536,11 @@ class BaseScheduler(ABC):
     # ---- results ----------------------------------------------------------------------------
     def apply(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """Fold sampled tokens into the sequences; return those that finished in this step."""
-        if plan.step_id != self._inflight or result.step_id != plan.step_id:
+        launched = plan.step_id != self._inflight and len(self.launched) > 0
+        if (not launched and plan.step_id != self._inflight) or result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} does not match the plan in flight ({self._inflight})")
-        self._inflight = None
+        if not launched:
+            self._inflight = None
         self.adapters.set_arriving(result.loading)
         step_ms = result.forward_ms + result.sample_ms
         if step_ms <= 0:
@@ -532,6 +548,8 @@ class BaseScheduler(ABC):
         self.cost.observe(plan.num_tokens, step_ms)
         self._observe(plan, step_ms / 1e3)
         sampled = {r.request_id: r for r in result.rows}
+        if launched:
+            return self._resolve(self.launched.take(plan), sampled)
         finished: list[Sequence] = []
         for row in plan.rows:
             seq = self._by_id.get(row.request_id)
@@ -561,11 +579,42 @@ class BaseScheduler(ABC):
         self._fed.clear()
         return finished
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _resolve(self, rows: list[tuple[Sequence, int]], sampled: dict) -> list[Sequence]:
+        """A launched plan's result: each sampled token replaces its placeholder; a sequence that
+        finished on it drops the placeholders after it (its row in the next launched plan was
+        wasted). Sequences that left meanwhile (cancelled, finished) are skipped."""
+        finished: list[Sequence] = []
+        for seq, index in rows:
+            out = sampled.get(seq.request_id)
+            if self._by_id.get(seq.request_id) is not seq or out is None or index >= len(seq.output_ids) \
+                    or seq.output_ids[index] != PENDING:
+                continue
+            seq.output_ids[index] = out.token_id
+            seq.logprobs[index] = out.logprob
+            if seq.first_token_at is None:
+                seq.first_token_at = self._clock()
+            reason = self._finish_reason(seq, out.token_id, index + 1)
+            if reason is not None:
+                del seq.output_ids[index + 1:], seq.logprobs[index + 1:]
+                self.predictor.observe(seq.req.adapter, len(seq.output_ids))
+                if seq.status is SeqStatus.WAITING:  # preempted while its token was being sampled
+                    self.waiting.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _reached_length(self, seq: Sequence) -> bool:
+        """Launched steps already gave it its last token (max_tokens or the context): a finish
+        known in advance, so it is not planned again (a no-op without launched steps)."""
+        return len(seq.output_ids) >= seq.req.max_tokens or seq.num_tokens >= self.config.max_model_len
+
+    def _finish_reason(self, seq: Sequence, token: int, produced: int | None = None) -> str | None:
+        """Why `seq` finishes on `token`, its `produced`-th output (default: its last one), if it does."""
         req = seq.req
         if token in req.stop_token_ids or (not req.ignore_eos and token in self._eos):
             return "stop"
-        if len(seq.output_ids) >= req.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        produced = len(seq.output_ids) if produced is None else produced
+        if produced >= req.max_tokens or len(req.prompt_ids) + produced >= self.config.max_model_len:
             return "length"
         return None
 

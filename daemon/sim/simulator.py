@@ -48,6 +48,7 @@ class SimConfig:
     admit_when_loaded: bool = True  # on_demand: a request waits in the queue while its adapter loads
     prefix_cache: bool = True  # automatic prefix caching, as scheduler.prefix_cache
     prefix_eviction: str = "unified"  # unified | separate (SchedulerConfig.prefix_eviction)
+    overlap: bool = False  # plan each step while the one before runs, as the daemon's scheduler.overlap does
     max_steps: int = 2_000_000
 
     def __post_init__(self) -> None:
@@ -126,6 +127,7 @@ class _Engine:
     ready_at: dict[str, float] = field(default_factory=dict)  # adapter -> when its load completes
     link_free: float = 0.0
     plan: StepPlan | None = None
+    ahead: StepPlan | None = None  # overlap: planned (and launched) while `plan` runs
     started: float = 0.0
     end: float = 0.0
     busy_s: float = 0.0
@@ -214,7 +216,7 @@ class Simulator:
             stuck.clear()
             for index in sorted(touched):
                 eng = self.engines[index]
-                if eng.plan is None and eng.sched.has_work():
+                if eng.plan is None and (eng.ahead is not None or eng.sched.has_work()):
                     self._start(eng)
                     if eng.plan is not None:
                         heapq.heappush(busy, (eng.end, index))
@@ -289,16 +291,38 @@ class Simulator:
                             steps=eng.step_times, now=self.clock.now)
 
     # ---- one engine step ---------------------------------------------------------------------
-    def _start(self, eng: _Engine) -> None:
-        now, p, mode = self.clock.now, self.profile, self.config.mode
-        self._states[eng.index] = None
+    def _plan(self, eng: _Engine) -> StepPlan | None:
+        """The scheduler's next plan, recorded as a decision (and launched, with overlap)."""
+        now = self.clock.now
         plan = eng.sched.schedule()
         for abort in eng.sched.take_aborted():
             rec = self.records[abort.request_id]
             rec.aborted, rec.finish_s = True, now
             self._ended += 1
         if plan is None:
+            return None
+        if self.config.overlap:
+            eng.sched.launch(plan)
+        self.decisions.append(Decision(eng.index, plan.step_id, now,
+                                       tuple(r.request_id for r in plan.rows if r.start_pos == 0),
+                                       tuple(r.request_id for r in plan.rows), plan.merged_adapter))
+        return plan
+
+    def _start(self, eng: _Engine) -> None:
+        """Start the engine's next step: the one planned ahead, else one planned now; with overlap,
+        plan the step after it at once (the daemon sends it while this one runs)."""
+        self._states[eng.index] = None
+        plan, eng.ahead = eng.ahead, None
+        if plan is None:
+            plan = self._plan(eng)
+        if plan is None:
             return
+        self._run(eng, plan)
+        if self.config.overlap:
+            eng.ahead = self._plan(eng)
+
+    def _run(self, eng: _Engine, plan: StepPlan) -> None:
+        now, p, mode = self.clock.now, self.profile, self.config.mode
         for name in plan.evict:
             eng.ready_at.pop(name, None)
         for placement in plan.place:
@@ -337,9 +361,6 @@ class Simulator:
         eng.step_times.observe(step_s * 1e3, ranks, tokens - len(plan.rows))  # plan.prefill_tokens, summed once
         eng.tokens += tokens
         self.steps += 1
-        self.decisions.append(Decision(eng.index, plan.step_id, now,
-                                       tuple(r.request_id for r in plan.rows if r.start_pos == 0),
-                                       tuple(r.request_id for r in plan.rows), plan.merged_adapter))
 
     def _complete(self, eng: _Engine) -> None:
         plan, now = eng.plan, self.clock.now

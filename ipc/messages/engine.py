@@ -14,6 +14,7 @@ from loraplex.ipc.engine_plan import StepPlan, StepResult
 from loraplex.ipc.exchange import ExchangeLayout
 from loraplex.ipc.messages.base import Message, register
 from loraplex.ipc.messages.checks import Name
+from loraplex.ipc.plan_delta import StepDelta
 
 
 @register
@@ -87,6 +88,16 @@ class EngineUnloadAdapter(Message):
 class EngineStep(Message):
     TYPE = "engine_step"
     plan: StepPlan
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class EngineStepDelta(Message):
+    """A step as the change against the engine's persistent batch (ipc/plan_delta.py); answered
+    like EngineStep."""
+
+    TYPE = "engine_step_delta"
+    delta: StepDelta
 
 
 @register

@@ -1,0 +1,83 @@
+"""One step planned ahead (scheduler.overlap): the plans launched on an engine whose results
+have not come back, and what the scheduler assumed of them. Torch-free.
+
+Launching a plan advances its sequences as if it had run: the tokens it feeds count as
+computed, and each row that samples gets a PENDING output token, which the next plan feeds
+(the engine puts there the token it sampled for that row, ipc/plan_delta.py). When the
+result comes, the sampled token replaces the placeholder. A failed step takes back what
+every launched plan assumed (`rollback`), after which the same tokens are planned again, as
+the synchronous loop does after `discard_inflight`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from loraplex.daemon.scheduler.sequence import SeqStatus, Sequence
+from loraplex.ipc.engine_plan import StepPlan
+from loraplex.ipc.plan_delta import FEED_SAMPLED
+
+# An output token sampled by a launched step, not known here yet; fed to the engine as is, it
+# means "the token you sampled for this row".
+PENDING = FEED_SAMPLED
+
+
+@dataclass(slots=True)
+class _Launched:
+    plan: StepPlan
+    # Per row this plan advanced: the sequence, tokens fed, the output index it samples into
+    # (-1: none), and its preemption count then (a preempted sequence's count restarted).
+    rows: list[tuple[Sequence, int, int, int]]
+
+
+def awaits_token(seq: Sequence) -> bool:
+    """The sequence's last output is still PENDING: it cannot be recomputed or moved yet."""
+    return bool(seq.output_ids) and seq.output_ids[-1] == PENDING
+
+
+class LaunchedSteps:
+    def __init__(self) -> None:
+        self._queue: deque[_Launched] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def holds(self, request_id: str) -> bool:
+        """A launched plan has a row of this request (it cannot be handed to another engine yet)."""
+        return any(seq.request_id == request_id for launched in self._queue for seq, *_ in launched.rows)
+
+    def launch(self, plan: StepPlan, fed: dict[str, int], by_id: dict[str, Sequence]) -> None:
+        """`plan` went to the engine: advance its sequences by what it feeds."""
+        rows = []
+        for row in plan.rows:
+            seq, n = by_id.get(row.request_id), fed.get(row.request_id)
+            if seq is None or n is None or seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.num_computed += n
+            index = -1
+            if row.sample:
+                index = len(seq.output_ids)
+                seq.output_ids.append(PENDING)
+                seq.logprobs.append(None)
+            rows.append((seq, n, index, seq.num_preemptions))
+        self._queue.append(_Launched(plan, rows))
+
+    def take(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
+        """The oldest launched plan, whose result came: (sequence, output index) per sampling row."""
+        if not self._queue or self._queue[0].plan.step_id != plan.step_id:
+            raise ValueError(f"result of step {plan.step_id} is not the oldest launched step")
+        return [(seq, index) for seq, _, index, _ in self._queue.popleft().rows if index >= 0]
+
+    def rollback(self, by_id: dict[str, Sequence]) -> None:
+        """Take back every launched plan, newest first: their tokens are uncomputed again and their
+        placeholders gone (the steps failed, or the engine was lost). Sequences that left this
+        scheduler meanwhile (`by_id`: those it holds) are not touched."""
+        while self._queue:
+            for seq, n, index, preemptions in reversed(self._queue.pop().rows):
+                if by_id.get(seq.request_id) is not seq:
+                    continue
+                if index >= 0 and len(seq.output_ids) == index + 1 and seq.output_ids[index] == PENDING:
+                    seq.output_ids.pop()
+                    seq.logprobs.pop()
+                if seq.status is SeqStatus.RUNNING and seq.num_preemptions == preemptions:
+                    seq.num_computed -= n

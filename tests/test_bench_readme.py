@@ -1,0 +1,91 @@
+"""Every bench command bench/README.md shows runs as shown, in a user's environment.
+
+The commands are read from the README itself, so a command added there without a
+place here fails `test_every_readme_command_is_classified`. Cheap ones (a few
+seconds) run in the default suite; the others are slow (full-size runs of minutes)
+or need a GPU. Only that each exits 0 and prints one JSON object is checked here:
+the scripts' own tests check their figures.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.bench_env import user_env
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "bench" / "README.md"
+COMMAND = re.compile(r"^(?:[A-Z_]+=\S+ )*\.venv/bin/python (bench/\S+\.py[^#\n]*)", re.MULTILINE)
+
+CHEAP = {  # a few seconds each on 2 busy cores
+    "bench/page_waste.py --json",
+    "bench/page_waste.py --page-tokens 8 32",
+    "bench/plan_codec.py --json",
+    "bench/cache_policies.py --json",
+    "bench/kernels.py --device cpu --interpret --small --json",
+}
+SLOW = {  # full-size runs: minutes
+    "bench/daemon_overhead.py --json",
+    "bench/daemon_overhead.py --json --stub-only --stub-step-ms 5 20 --batch 1 64 256 --context 2048",
+    "bench/engine_throughput.py --json",
+    "bench/engine_throughput.py --adapters none --json",
+    "bench/cache_live.py --json",
+    "bench/cache_live.py --json --rounds 2",
+    "bench/cache_live.py --json --duration 30 --rates 14 --policies none+stall,none,cost+stall,cost"
+    " --throttle-bytes-s 5e7",
+    "bench/cache_live.py --json --duration 30 --rounds 2 --rates 8,10,12,14 --throttle-bytes-s 3e7",
+    "bench/flood_gap.py --json",
+    "bench/flood_gap.py --json --flood-s 5",
+    "bench/many_adapters.py --json",
+    "bench/many_adapters.py --counts 10 1000 --json",
+}
+ELSEWHERE = {  # a GPU, or results of a GPU run, are needed
+    "bench/kernels.py --json",
+    "bench/engine_throughput.py --device cuda --dtype bfloat16 --batch 1 16 64 --json",
+    "bench/gpu_report.py bench/results/gpu",
+}
+
+
+def readme_commands() -> list[str]:
+    text = re.sub(r"\\\n\s*", " ", README.read_text())  # continuation lines joined, as the shell does
+    return sorted({" ".join(m.group(1).split()) for m in COMMAND.finditer(text)})
+
+
+def run_as_shown(command: str, tmp_path: Path) -> None:
+    args = shlex.split(command)
+    env = user_env(LORAPLEX_CACHE_DIR=str(tmp_path))
+    if "--interpret" in args:
+        env["TRITON_INTERPRET"] = "1"  # as the README's line sets it
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    if "--json" in args:
+        assert isinstance(json.loads(proc.stdout), dict)  # the whole of stdout is one JSON object
+    else:
+        assert proc.stdout.strip()
+
+
+def test_every_readme_command_is_classified() -> None:
+    commands = readme_commands()
+    assert "bench/daemon_overhead.py --json" in commands  # the pattern reads the README at all
+    unknown = [c for c in commands if c not in CHEAP | SLOW | ELSEWHERE]
+    assert not unknown, f"bench/README.md shows commands no test runs: {unknown}"
+
+
+@pytest.mark.parametrize("command", sorted(CHEAP))
+def test_cheap_readme_command_runs(command: str, tmp_path: Path) -> None:
+    assert command in readme_commands()
+    run_as_shown(command, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", sorted(SLOW))
+def test_slow_readme_command_runs(command: str, tmp_path: Path) -> None:
+    assert command in readme_commands()
+    run_as_shown(command, tmp_path)
