@@ -122,8 +122,10 @@ def hello_for(runtime: EngineRuntime, demo: bool, resources: CpuAssistResources 
 
 @dataclass(frozen=True, slots=True)
 class ExpandedStep:
-    """A step delta expanded on the pump's thread, its sampled tokens not yet fed."""
+    """A step delta expanded on the pump's thread, its sampled tokens not yet fed; `dropped`:
+    the rows it left out of the batch (their sampling state is dropped on the main thread)."""
     plan: StepPlan
+    dropped: list[str]
 
 
 def _refused_plan(step_id: int, exc: Exception) -> EngineFailure:
@@ -157,7 +159,8 @@ class EngineServer:
         refusal to send back); any other order as it came."""
         if isinstance(msg, EngineStepDelta):
             try:
-                return ExpandedStep(self.book.expand(msg.delta))
+                plan = self.book.expand(msg.delta)
+                return ExpandedStep(plan, self.book.dropped)
             except ValueError as exc:  # the daemon resynchronises with the next step
                 return _refused_plan(msg.delta.step_id, exc)
         return msg
@@ -182,6 +185,7 @@ class EngineServer:
             return msg
         if isinstance(msg, ExpandedStep):
             plan = msg.plan
+            executor.sampler.forget(msg.dropped)  # finished, preempted or moved: their history goes
             reply = self._step(plan)
             if isinstance(reply, EngineStepDone):
                 self.book.sampled(reply.result)

@@ -88,6 +88,10 @@ class Grammars:
             self._compiled.popitem(last=False)
         return compiled
 
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._states.pop(request_id, None)
+
     def fill(self, row: RowPlan, outputs: list[int], bitmask: torch.Tensor, index: int) -> None:
         """Write into bitmask[index] the tokens the row's grammar allows after `outputs`."""
         spec = row.sampling

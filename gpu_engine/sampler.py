@@ -56,6 +56,13 @@ class Sampler:
         self.tokenizer_json = tokenizer_json  # the vocabulary guided rows are compiled against
         self._grammars = None  # gpu_engine.grammar.Grammars, built with the first guided row
 
+    def forget(self, request_ids: list[str]) -> None:
+        """These requests left the engine's batch: drop their token history and grammar state."""
+        if request_ids:
+            self.history.forget(request_ids)
+            if self._grammars is not None:
+                self._grammars.forget(request_ids)
+
     @property
     def grammars(self):
         """The grammar compiler and matchers (xgrammar is imported only when a row is guided)."""

@@ -115,13 +115,15 @@ class PlanBook:
     def __init__(self) -> None:
         self.rows: dict[str, _Row] = {}
         self.last_sampled: dict[str, int] = {}  # request id -> the token its row sampled in the last step
+        self.dropped: list[str] = []  # rows the last expanded delta left out (the engine forgets their state)
 
     def sampled(self, result: StepResult) -> None:
         """The step ran: its sampled tokens are what FEED_SAMPLED means in the next one."""
         self.last_sampled = {r.request_id: r.token_id for r in result.rows}
 
     def failed(self) -> None:
-        """The step failed: nothing it planned ran, so the next step must resync."""
+        """The step failed: nothing it planned ran, so the next step must resync (the rows it
+        knew stay known to the sampler until the resync says which went)."""
         self.rows, self.last_sampled = {}, {}
 
     def expand(self, delta: StepDelta) -> StepPlan:
@@ -156,6 +158,7 @@ class PlanBook:
             batch[d.request_id] = row
             rows.append(RowPlan(d.request_id, d.token_ids, d.start_pos, row.pages, row.adapter, d.sample,
                                 row.sampling, d.sample_index, d.cpu_layers, d.cpu_row))
+        self.dropped = [request_id for request_id in self.rows if request_id not in batch]
         self.rows = batch
         return StepPlan(delta.step_id, rows, delta.place, delta.evict, delta.cpu, delta.merged_adapter)
 

@@ -29,12 +29,14 @@ class ArrivingEngine(TimedEngine):
         self.load_steps = load_steps
         self.arrives: dict[str, int] = {}  # adapter -> engine step after which it is in
         self.stalled: list[tuple[int, str, bool]] = []  # (step, adapter, other rows were running)
-        self.running_before: set[str] = set()
+        self.running_before: dict[str, int] = {}  # request -> its preemptions, before the plan
         self.evicted_arriving: list[tuple[int, str, bool]] = []  # (step, adapter, other rows were running)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        # Rows of requests that were running and still hold their KV (a preempted one restarts at 0).
-        carried = [r for r in plan.rows if r.request_id in self.running_before and r.start_pos > 0]
+        # Rows of requests that were running and still hold their KV (one preempted while this
+        # plan was made restarts at 0, or where the prefix cache still holds its pages).
+        carried = [r for r in plan.rows if r.request_id in self.running_before and r.start_pos > 0
+                   and self.seqs[r.request_id].num_preemptions == self.running_before[r.request_id]]
         for name in plan.evict:
             if self.arrives.pop(name, -1) > self.steps:  # evicted while last reported arriving
                 self.evicted_arriving.append((self.steps, name, bool(carried)))
@@ -54,7 +56,7 @@ def _drive(engine: ArrivingEngine, arrivals) -> None:
     schedule = sched.schedule
 
     def tracked():
-        engine.running_before = {s.request_id for s in sched.running}
+        engine.running_before = {s.request_id: s.num_preemptions for s in sched.running}
         return schedule()
 
     sched.schedule = tracked
@@ -98,7 +100,7 @@ def _with_ada_running(policy: str = "fcfs", **cfg):
 
 
 def _step(sched, engine):
-    engine.running_before = {s.request_id for s in sched.running}
+    engine.running_before = {s.request_id: s.num_preemptions for s in sched.running}
     plan = sched.schedule()
     sched.apply(plan, engine.execute(plan))
     return plan

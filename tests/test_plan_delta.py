@@ -104,7 +104,7 @@ def test_a_decode_delta_grows_with_the_batch_not_the_context() -> None:
     small, small_full = decode_bytes(64, 256)
     long_ctx, long_full = decode_bytes(64, 4096)
     wide, _ = decode_bytes(256, 4096)
-    assert long_full > 4 * small_full  # whole tables grow with the context...
+    assert long_full - small_full > 64 * (4096 - 256) // 16  # whole tables grow with the context (a page id a row each 16 tokens)...
     assert long_ctx < 1.1 * small  # ...a delta does not
     assert 3 * small < wide < 5 * small  # and it grows with the batch
 
@@ -126,3 +126,23 @@ def test_a_fed_row_gets_the_token_its_last_step_sampled_and_old_tables_never_cha
     encoder.reset()
     with pytest.raises(ValueError, match="did not sample"):
         book.feed(book.expand(wire(encoder, second)))
+
+
+def test_rows_left_out_are_reported_dropped_so_the_engine_forgets_their_sampling_state() -> None:
+    rng = random.Random(31)
+    spec = SamplingSpec(seed=rng.randrange(1000), repetition_penalty=1.2)
+    encoder, book = PlanEncoder(), PlanBook()
+    rows = [RowPlan(f"r{i}", [rng.randrange(500)], 0, [rng.randrange(900)], None, True, spec, 0) for i in range(3)]
+    book.expand(decode(encode(EngineStepDelta(delta=encoder.encode(StepPlan(1, rows))))).delta)
+    assert book.dropped == []
+    kept = [RowPlan(r.request_id, [FEED_SAMPLED], 1, r.kv_pages, None, True, spec, 1) for r in rows[1:]]
+    book.expand(decode(encode(EngineStepDelta(delta=encoder.encode(StepPlan(2, kept))))).delta)
+    assert book.dropped == ["r0"]
+
+    from loraplex.gpu_engine.sampler import Sampler
+
+    sampler = Sampler(500)
+    for r in rows:
+        sampler.history.feed(r)
+    sampler.forget(book.dropped)
+    assert len(sampler.history) == 2

@@ -383,15 +383,19 @@ class BaseScheduler(ABC):
         rounding from the unmerged path's, so the two are cached apart."""
         return seq.req.adapter is not None and seq.req.adapter == self.merged_adapter
 
-    def _cache_prefix(self, seq: Sequence, merged: bool) -> None:
-        """Offer the full pages `seq` has computed to the prefix cache."""
+    def _cache_prefix(self, seq: Sequence, merged: bool, upto: int | None = None) -> None:
+        """Offer the full pages `seq` has computed (its first `upto` tokens, when launched steps
+        count more as computed than the engine has reported) to the prefix cache."""
         size = self.geometry.page_tokens
-        full = min(seq.num_computed // size, len(seq.kv_pages))
+        computed = seq.num_computed if upto is None else min(upto, seq.num_computed)
+        full = min(computed // size, len(seq.kv_pages))
         first = seq.cached_blocks
         if self.prefix is None or not seq.prefix_open or full <= first:
             return
-        seq.cached_blocks = self.prefix.insert(seq.req.adapter, seq.kv_pages, first,
-                                               seq.token_slice(first * size, full * size), merged)
+        tokens = seq.token_slice(first * size, full * size)
+        if PENDING in tokens:
+            return  # a launched step's token not known yet: offered when its result comes
+        seq.cached_blocks = self.prefix.insert(seq.req.adapter, seq.kv_pages, first, tokens, merged)
         seq.prefix_open = seq.cached_blocks == full
 
     def _must_await_load(self, adapter: str) -> bool:
@@ -549,7 +553,7 @@ class BaseScheduler(ABC):
         self._observe(plan, step_ms / 1e3)
         sampled = {r.request_id: r for r in result.rows}
         if launched:
-            return self._resolve(self.launched.take(plan), sampled)
+            return self._resolve(self.launched.take(plan), sampled, plan.merged_adapter)
         finished: list[Sequence] = []
         for row in plan.rows:
             seq = self._by_id.get(row.request_id)
@@ -579,18 +583,23 @@ class BaseScheduler(ABC):
         self._fed.clear()
         return finished
 
-    def _resolve(self, rows: list[tuple[Sequence, int]], sampled: dict) -> list[Sequence]:
+    def _resolve(self, rows: list[tuple[Sequence, int, int]], sampled: dict, merged: str | None) -> list[Sequence]:
         """A launched plan's result: each sampled token replaces its placeholder; a sequence that
         finished on it drops the placeholders after it (its row in the next launched plan was
-        wasted). Sequences that left meanwhile (cancelled, finished) are skipped."""
+        wasted). Sequences that left meanwhile (cancelled, finished) are skipped. The full pages
+        this step completed join the prefix cache now that their tokens are all known (never
+        those of a sequence preempted since: its pages are not the ones this step wrote)."""
         finished: list[Sequence] = []
-        for seq, index in rows:
+        for seq, index, preemptions in rows:
             out = sampled.get(seq.request_id)
             if self._by_id.get(seq.request_id) is not seq or out is None or index >= len(seq.output_ids) \
                     or seq.output_ids[index] != PENDING:
                 continue
             seq.output_ids[index] = out.token_id
             seq.logprobs[index] = out.logprob
+            if seq.status is SeqStatus.RUNNING and seq.num_preemptions == preemptions:
+                self._cache_prefix(seq, merged=merged is not None and seq.req.adapter == merged,
+                                   upto=len(seq.req.prompt_ids) + index)
             if seq.first_token_at is None:
                 seq.first_token_at = self._clock()
             reason = self._finish_reason(seq, out.token_id, index + 1)

@@ -62,11 +62,12 @@ class LaunchedSteps:
             rows.append((seq, n, index, seq.num_preemptions))
         self._queue.append(_Launched(plan, rows))
 
-    def take(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
-        """The oldest launched plan, whose result came: (sequence, output index) per sampling row."""
+    def take(self, plan: StepPlan) -> list[tuple[Sequence, int, int]]:
+        """The oldest launched plan, whose result came: (sequence, output index, its preemptions
+        when launched) per sampling row."""
         if not self._queue or self._queue[0].plan.step_id != plan.step_id:
             raise ValueError(f"result of step {plan.step_id} is not the oldest launched step")
-        return [(seq, index) for seq, _, index, _ in self._queue.popleft().rows if index >= 0]
+        return [(seq, index, preemptions) for seq, _, index, preemptions in self._queue.popleft().rows if index >= 0]
 
     def rollback(self, by_id: dict[str, Sequence]) -> None:
         """Take back every launched plan, newest first: their tokens are uncomputed again and their
