@@ -29,7 +29,7 @@ class ReplicaView:
     last_for_adapter: bool = False  # the request's adapter was last sent here
     assigned: int = 0  # adapters whose requests were last sent here (their home)
 
-    def engine(self, index: int) -> EngineState:
+    def engine(self, index: int, default_tokens_per_s: float = 1000.0) -> EngineState:
         def rows(key: str) -> tuple[EngineRequest, ...]:
             return tuple(EngineRequest(f"{key}{n}", a, int(r), int(t))
                          for n, (a, r, t) in enumerate(self.stats.get(key) or []))
@@ -40,7 +40,8 @@ class ReplicaView:
                            resident_adapters=frozenset(s.get("gpu") or ()) | {a for a, _, _ in self.sent if a},
                            max_num_seqs=int(s.get("max_num_seqs") or 1), healthy=bool(s.get("healthy", True)),
                            free_pages=int(s.get("free_pages") or 0), total_pages=int(s.get("total_pages") or 0),
-                           tokens_per_s=float(s.get("tokens_per_s") or 1000.0), step_ms=float(s.get("step_ms") or 0.0))
+                           tokens_per_s=float(s.get("tokens_per_s") or default_tokens_per_s),
+                           step_ms=float(s.get("step_ms") or 0.0))
 
     def adapter_tier(self, adapter: str | None) -> str:
         """gpu (resident, or being brought there by a request sent since), host, or none."""
@@ -65,7 +66,12 @@ class Placement:
 
     def order(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[int]:
         """Indices into `replicas`, best first."""
-        engines = [r.engine(i) for i, r in enumerate(replicas)]
+        # A replica that has not run yet is as fast as those that have (with an optimistic guess
+        # instead, an idle replica always looked faster, and an adapter's requests left its home).
+        rates = [float(r.stats.get("tokens_per_s") or 0.0) for r in replicas]
+        known = [x for x in rates if x > 0]
+        default = sum(known) / len(known) if known else 1000.0
+        engines = [r.engine(i, default) for i, r in enumerate(replicas)]
         affinity = not self.spreading(request.adapter, engines)
 
         def key(i: int) -> tuple[float, int, int, float, int, str]:

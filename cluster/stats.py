@@ -66,9 +66,10 @@ def routing_stats(flights: FlightTable, snapshot: Mapping[str, Any] | None, rank
         "host": [str(a) for a in (host.get("resident") or [])][:MAX_LISTED],
         "ranks": {a: r for a, r in list(rank_of.items())[:4 * MAX_LISTED]},
         "step_ms": sum(step_ms) / len(step_ms) if step_ms else 0.0,
-        "tokens_per_s": sum(rate) if rate else 1000.0,
+        "tokens_per_s": sum(rate) if rate else 0.0,  # 0: not measured yet (placement assumes the others' mean)
         "max_num_seqs": int(_num(snap.get("max_num_seqs"), DEFAULT_MAX_NUM_SEQS)) * max(1, len(engines)),
-        "free_pages": int(_num(pool.get("free"))),
+        # Cached prefix pages nobody holds are taken back as soon as a request needs room.
+        "free_pages": int(_num(pool.get("free")) + _num(pool.get("prefix_cache"))),
         "total_pages": int(_num(pool.get("total"))),
     }
 

@@ -29,6 +29,8 @@ CHEAP = {  # a few seconds each on 2 busy cores
     "bench/plan_codec.py --json",
     "bench/cache_policies.py --json",
     "bench/kernels.py --device cpu --interpret --small --json",
+    "bench/prefix_cache.py --quick --json",
+    "bench/tp_comm.py --tp 2 --measure-tp 0",
 }
 SLOW = {  # full-size runs: minutes
     "bench/daemon_overhead.py --json",
@@ -44,8 +46,12 @@ SLOW = {  # full-size runs: minutes
     "bench/flood_gap.py --json --flood-s 5",
     "bench/many_adapters.py --json",
     "bench/many_adapters.py --counts 10 1000 --json",
+    "bench/prefix_cache.py --json",
+    "bench/tp_comm.py --json",
 }
-ELSEWHERE = {  # a GPU, or results of a GPU run, are needed
+ELSEWHERE = {  # a GPU, results of a GPU run, or a library installed by hand are needed
+    "bench/grammar_mask.py --json",  # llguidance, the library xgrammar is compared with
+    "bench/grammar_mask.py --steps 30 --repeats 1",
     "bench/kernels.py --json",
     "bench/engine_throughput.py --device cuda --dtype bfloat16 --batch 1 16 64 --json",
     "bench/gpu_report.py bench/results/gpu",

@@ -99,10 +99,16 @@ def engine_state(index: int, scheduler, *, rank_of: Callable[[str], int], bytes_
     return EngineState(engine_id=index, running=tuple(view(s) for s in scheduler.running),
                        waiting=tuple(view(s) for s in scheduler.waiting),
                        resident_adapters=frozenset(scheduler.adapters.resident_names()),
-                       max_num_seqs=max_num_seqs, free_pages=scheduler.allocator.num_free, total_pages=total_pages,
+                       max_num_seqs=max_num_seqs, free_pages=free_pages(scheduler), total_pages=total_pages,
                        tokens_per_s=tokens_per_s, load_bytes_per_s=load_bytes_per_s, healthy=healthy,
                        step_ms=0.0 if steps is None else steps.mean_ms,
                        step_ms_std=0.0 if steps is None else steps.std_ms,
                        step_bgmv_units=0.0 if steps is None else steps.bgmv_units,
                        step_mbgmv_units=0.0 if steps is None else steps.mbgmv_units,
                        prefill_ms_per_token=0.0 if steps is None else steps.ms_per_prefill_token)
+
+
+def free_pages(scheduler) -> int:
+    """Pages a request could have now in `scheduler`'s pool: free ones and cached prefix pages nobody holds."""
+    idle = 0 if scheduler.prefix is None else scheduler.prefix.idle_pages
+    return scheduler.allocator.num_free + idle
