@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, Sequence, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -43,6 +43,9 @@ from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.protocol import CancelRequest, GenerateRequest, Message, PolicyKind
 from loraplex.ipc.socket_options import SocketLimits
 from loraplex.ipc.sockets import AsyncTypedSocket, PeerUnavailable, make_dealer
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11+; annotations are not evaluated (3.10 supported)
+    from typing import Unpack
 
 log = logging.getLogger(__name__)
 _B = TypeVar("_B", bound="_AsyncBase")

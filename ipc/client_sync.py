@@ -14,7 +14,7 @@ import os
 import queue
 import threading
 import time
-from typing import Sequence, TypeVar, Unpack
+from typing import TYPE_CHECKING, Sequence, TypeVar
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -44,6 +44,9 @@ from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
 from loraplex.ipc.protocol import CancelRequest, GenerateRequest, Message, PolicyKind
 from loraplex.ipc.socket_options import SocketLimits
 from loraplex.ipc.sockets import PeerUnavailable, make_dealer
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11+; annotations are not evaluated (3.10 supported)
+    from typing import Unpack
 
 log = logging.getLogger(__name__)
 _B = TypeVar("_B", bound="_SyncBase")
