@@ -271,3 +271,17 @@ def test_siblings_wait_for_the_prompt_one_of_them_is_computing(policy) -> None:
     for seq in siblings + [other]:
         assert (seq.output_ids, seq.finish_reason) == reference(seq.req, 256)
     assert_drained(sched)
+
+
+def test_a_host_tier_drop_keeps_prefixes_while_a_new_content_or_a_removal_forgets_them() -> None:
+    from loraplex.daemon.memory.adapter_residency import AdapterResidency
+
+    for how, kept in (("drop", True), ("invalidate", False), ("forget", False)):
+        prefix, alloc = cache()
+        residency = AdapterResidency(alloc, "lru", prefix=prefix)
+        tokens = list(range(3, 3 + 2 * PAGE + 1))
+        alloc.free(prefix.release(computed(prefix, alloc, "cat", tokens)))
+        assert residency.acquire("cat", 2)
+        residency.release("cat")
+        getattr(residency, how)("cat")  # drop: evicted from the host tier, the same weights
+        assert (prefix.peek("cat", tokens) == 2 * PAGE) is kept, how

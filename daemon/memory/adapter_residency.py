@@ -78,7 +78,8 @@ class AdapterResidency:
     an adapter sits in the host store (None: all do), so predictor picks still on disk
     are not prefetched; clock: seconds. prefix: the prefix cache sharing the pool (None:
     off): its idle pages and idle adapters leave in one order when room is needed, and an
-    adapter whose content changes or leaves takes its cached prefixes with it.
+    adapter whose content changes (invalidate) or that is removed (forget) takes its cached
+    prefixes with it.
     """
 
     def __init__(self, allocator: PageAllocator, policy: str = "lru", *, weights: CostWeights | None = None,
@@ -292,14 +293,16 @@ class AdapterResidency:
         if entry is not None and entry.refs:
             raise ValueError(f"adapter {name} is in use by {entry.refs} requests")
         self._pinned.pop(name, None)
-        if self._prefix is not None:
-            self._prefix.forget_adapter(name)
         if entry is not None:
             self._free(entry, "drop")
 
     def forget(self, name: str) -> None:
-        """drop(), and also forget the adapter's counters and arrival history (adapter removed)."""
+        """drop(), and also forget the adapter's counters, arrival history and cached prefixes
+        (adapter removed). A drop alone (host-tier eviction) keeps its prefixes: the content
+        they were computed with is unchanged."""
         self.drop(name)
+        if self._prefix is not None:
+            self._prefix.forget_adapter(name)
         self._usage.pop(name, None)
         if self._predictor is not None:
             self._predictor.forget(name)

@@ -365,16 +365,19 @@ class BaseScheduler(ABC):
         full page of `seq`'s prompt that the prefix cache does not hold yet."""
         if not self._may_reuse_prefix(seq):
             return False
+        # Cheap first (this runs at every admission attempt): a running prefill of its adapter.
+        adapter, prompt = seq.req.adapter, seq.req.prompt_ids
+        prefilling = [o for o in self.running if o.req.adapter == adapter and o.num_computed < len(o.req.prompt_ids) - 1]
+        if not prefilling:
+            return False
         size = self.geometry.page_tokens
-        prompt = seq.req.prompt_ids
-        start = self.prefix.peek(seq.req.adapter, prompt, self._merged(seq))
+        start = self.prefix.peek(adapter, prompt, self._merged(seq))
         if len(prompt) - start <= size:
             return False  # no full page left to share (its last token is computed anyway)
         block = prompt[start:start + size]
-        for other in self.running:
+        for other in prefilling:
             theirs = other.req.prompt_ids
-            if (other.req.adapter == seq.req.adapter and other.num_computed < start + size <= len(theirs) - 1
-                    and theirs[start:start + size] == block):
+            if other.num_computed < start + size <= len(theirs) - 1 and theirs[start:start + size] == block:
                 return True
         return False
 

@@ -15,6 +15,7 @@ import dataclasses
 import math
 import types
 import typing
+from abc import ABC, abstractmethod
 from typing import Annotated, Any, Callable, Literal, Union
 
 import msgpack
@@ -110,7 +111,7 @@ def _check_plain(value: Any, path: str, depth: int = 0) -> Any:
     raise _mismatch(path, "a plain msgpack value", value)
 
 
-class Rule:
+class Rule(ABC):
     """A value rule of one field, attached to its type with Annotated: called with the
     type-checked value and its path, raises ProtocolError. A rule that bounds a list's
     length also overrides `bound`, which sees a list before its items are checked, so an
@@ -121,8 +122,9 @@ class Rule:
     def bound(self, value: list[Any] | tuple[Any, ...], path: str) -> None:
         """Checks on a list (or tuple) whose items are not checked yet. Default: none."""
 
+    @abstractmethod
     def __call__(self, value: Any, path: str) -> None:
-        raise NotImplementedError
+        """Check the type-checked `value` at `path`; raise ProtocolError when it breaks the rule."""
 
 
 def _annotated_checker(base: Checker, rules: tuple[Rule, ...]) -> Checker:
