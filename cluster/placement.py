@@ -25,11 +25,14 @@ class ReplicaView:
 
     key: str
     stats: Mapping[str, Any]
-    sent: Sequence[Sent] = ()
+    sent: Sequence[Sent] = ()  # still in flight
+    brought: frozenset[str] = frozenset()  # adapters of requests sent since that have ended (resident there)
     last_for_adapter: bool = False  # the request's adapter was last sent here
     assigned: int = 0  # adapters whose requests were last sent here (their home)
 
-    def engine(self, index: int, default_tokens_per_s: float = 1000.0) -> EngineState:
+    def engine(self, index: int, default_tokens_per_s: float = 1000.0, default_step_ms: float = 0.0) -> EngineState:
+        """The replica as the daemon's router sees an engine; the defaults stand in for a rate and a
+        step time the replica has not measured yet."""
         def rows(key: str) -> tuple[EngineRequest, ...]:
             return tuple(EngineRequest(f"{key}{n}", a, int(r), int(t))
                          for n, (a, r, t) in enumerate(self.stats.get(key) or []))
@@ -37,15 +40,17 @@ class ReplicaView:
         queued = tuple(EngineRequest(f"sent{n}", a, r, w) for n, (a, r, w) in enumerate(self.sent))
         s = self.stats
         return EngineState(engine_id=index, running=rows("running"), waiting=rows("waiting") + queued,
-                           resident_adapters=frozenset(s.get("gpu") or ()) | {a for a, _, _ in self.sent if a},
+                           resident_adapters=frozenset(s.get("gpu") or ()) | self.brought
+                           | {a for a, _, _ in self.sent if a},
                            max_num_seqs=int(s.get("max_num_seqs") or 1), healthy=bool(s.get("healthy", True)),
                            free_pages=int(s.get("free_pages") or 0), total_pages=int(s.get("total_pages") or 0),
                            tokens_per_s=float(s.get("tokens_per_s") or default_tokens_per_s),
-                           step_ms=float(s.get("step_ms") or 0.0))
+                           step_ms=float(s.get("step_ms") or default_step_ms))
 
     def adapter_tier(self, adapter: str | None) -> str:
         """gpu (resident, or being brought there by a request sent since), host, or none."""
-        if not adapter or adapter in (self.stats.get("gpu") or ()) or any(a == adapter for a, _, _ in self.sent):
+        if not adapter or adapter in (self.stats.get("gpu") or ()) or adapter in self.brought \
+                or any(a == adapter for a, _, _ in self.sent):
             return "gpu"
         return "host" if adapter in (self.stats.get("host") or ()) else "none"
 
@@ -66,12 +71,12 @@ class Placement:
 
     def order(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[int]:
         """Indices into `replicas`, best first."""
-        # A replica that has not run yet is as fast as those that have (with an optimistic guess
-        # instead, an idle replica always looked faster, and an adapter's requests left its home).
-        rates = [float(r.stats.get("tokens_per_s") or 0.0) for r in replicas]
-        known = [x for x in rates if x > 0]
-        default = sum(known) / len(known) if known else 1000.0
-        engines = [r.engine(i, default) for i, r in enumerate(replicas)]
+        # A replica that has not run yet is as fast, and its steps as long, as those that have: with
+        # an optimistic guess instead (no step time: the SLO never missed there), an idle replica
+        # always looked better, and an adapter's requests left its home.
+        rate = _mean_known(replicas, "tokens_per_s", 1000.0)
+        step_ms = _mean_known(replicas, "step_ms", 0.0)
+        engines = [r.engine(i, rate, step_ms) for i, r in enumerate(replicas)]
         affinity = not self.spreading(request.adapter, engines)
 
         def key(i: int) -> tuple[float, int, int, float, int, str]:
@@ -94,6 +99,12 @@ class Placement:
     def adapter_ms(self, adapter: str | None, replica: ReplicaView) -> float:
         tier = replica.adapter_tier(adapter)
         return 0.0 if tier == "gpu" else self.host_miss_ms if tier == "host" else self.miss_ms
+
+
+def _mean_known(replicas: Sequence[ReplicaView], key: str, default: float) -> float:
+    """The mean of the positive values of stats[key] (0 means not measured yet), else `default`."""
+    known = [x for r in replicas if (x := float(r.stats.get(key) or 0.0)) > 0]
+    return sum(known) / len(known) if known else default
 
 
 def rank_of(adapter: str | None, stats: Sequence[Mapping[str, Any]]) -> int:

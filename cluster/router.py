@@ -30,8 +30,10 @@ class LoraplexRequestRouter(RequestRouter):
         policy = RankAwareRouter(PerfProfile.from_dict(profile) if profile else None, kernel=kernel,  # type: ignore[arg-type]
                                  slo_ms=slo_ms)
         self._placement = Placement(policy, miss_ms=miss_ms, host_miss_ms=host_miss_ms, spread_queue=spread_queue)
-        # What was sent to each replica after its latest report: request id -> (sent at, what).
+        # What was sent to each replica after its latest report: request id -> (sent at, what), and
+        # of those, the adapters of the requests that have ended since (adapter -> sent at).
         self._sent: dict[ReplicaID, dict[str, tuple[float, Sent]]] = {}
+        self._ended: dict[ReplicaID, dict[str, float]] = {}
         self._chosen: dict[str, tuple[ReplicaID, str | None]] = {}  # request id -> (replica, adapter)
         self._last: dict[str, ReplicaID] = {}  # the replica each adapter was last routed to (its home)
 
@@ -47,7 +49,7 @@ class LoraplexRequestRouter(RequestRouter):
                               max_tokens=int(options.get("max_tokens") or 0))
         last = self._last.get(adapter) if adapter else None
         homes = Counter(self._last.values())
-        views = [ReplicaView(r.replica_id.unique_id, r.routing_stats or {}, self._pending(r),
+        views = [ReplicaView(r.replica_id.unique_id, r.routing_stats or {}, self._pending(r), self._brought(r),
                              r.replica_id == last, homes[r.replica_id]) for r in candidate_replicas]
         order = [candidate_replicas[i] for i in self._placement.order(request, views)]
         if payload is not None:
@@ -83,12 +85,23 @@ class LoraplexRequestRouter(RequestRouter):
             del self._last[next(iter(self._last))]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        """Where the request really went: correct the adapter's home if it was not the first choice."""
+        """The request ended: it no longer queues where it was counted (until the replica's next report,
+        its adapter counts as resident there), and its adapter's home follows it if it went elsewhere
+        than the first choice. An ended request left counted as queued made a replica that served an
+        adapter's requests one after another look queued deep, and the adapter spread (dLoRA) off an
+        idle home before the first report came."""
         chosen = self._chosen.pop(internal_request_id, None)
-        if chosen is not None and chosen[0] != replica_id:
-            self._sent.get(chosen[0], {}).pop(internal_request_id, None)
+        if chosen is None:
+            return
+        sent = self._sent.get(chosen[0], {}).pop(internal_request_id, None)
+        if chosen[0] != replica_id:
             if chosen[1] and self._last.get(chosen[1]) == chosen[0]:
                 self._home(chosen[1], replica_id)
+        elif sent is not None and chosen[1]:
+            ended = self._ended.setdefault(replica_id, {})
+            ended[chosen[1]] = sent[0]
+            if len(ended) > MAX_SENT_PER_REPLICA:
+                del ended[next(iter(ended))]
 
     def _pending(self, replica: RunningReplica) -> list[Sent]:
         """What was sent to `replica` after its latest report (older sends are in the report)."""
@@ -97,6 +110,14 @@ class LoraplexRequestRouter(RequestRouter):
         for request_id in [r for r, (t, _) in per.items() if t <= reported_at]:
             del per[request_id]
         return [s for _, s in per.values()]
+
+    def _brought(self, replica: RunningReplica) -> frozenset[str]:
+        """Adapters of requests that ended on `replica` after its latest report (older ones are in it)."""
+        reported_at = float((replica.routing_stats or {}).get("at", 0.0))
+        ended = self._ended.get(replica.replica_id, {})
+        for adapter in [a for a, t in ended.items() if t <= reported_at]:
+            del ended[adapter]
+        return frozenset(ended)
 
     def _rank_of(self, adapter: str | None) -> int:
         return rank_of(adapter, [r.routing_stats or {} for r in self.curr_replicas.values()])

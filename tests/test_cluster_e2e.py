@@ -262,7 +262,6 @@ def _wait_served(cluster: Cluster, adapter: str, total: int) -> dict[str, int]:
     raise AssertionError(f"the replicas reported {counts} requests for {adapter}, expected {total}")
 
 
-@pytest.mark.slow  # flaky: alone it splits one adapter's requests 4/2 over the replicas; in module order it passes
 def test_requests_for_one_adapter_go_to_the_replica_holding_it(cluster: Cluster, client) -> None:
     adapter = "attn-r16"
     before = _served(cluster, adapter)

@@ -61,6 +61,17 @@ def test_adapter_affinity_by_tier_then_last_replica() -> None:
     assert placement.order(request, views) == [1, 0]
 
 
+def test_an_adapter_stays_home_when_the_other_replica_has_not_measured_its_steps() -> None:
+    # The home replica has served: its steps are slow (a loaded CPU host) and it holds the adapter.
+    # The other one has run nothing yet. Assuming it fast (no step time: no SLO miss there) sent the
+    # adapter's next request away from its home; it must count as slow as the replicas that measured.
+    rng = random.Random()
+    request = RequestInfo("x", "hot", rank=16, prompt_len=rng.randrange(1, 50), max_tokens=rng.randrange(2, 50))
+    home = _stats(gpu=["hot"], step_ms=rng.uniform(60.0, 200.0), tokens_per_s=rng.uniform(5.0, 50.0))
+    views = [ReplicaView("idle", _stats(tokens_per_s=0.0)), ReplicaView("home", home, last_for_adapter=True)]
+    assert Placement(RankAwareRouter(slo_ms=36.0)).order(request, views)[0] == 1
+
+
 def test_a_hot_adapter_spreads_once_queued_deep_while_a_replica_idles() -> None:
     """dLoRA's proactive dispatch across replicas: affinity holds until the holder has
     spread_queue of the adapter's requests waiting and another replica has nothing."""
@@ -262,3 +273,10 @@ def test_the_serve_router_counts_a_placement_when_it_makes_it() -> None:
     # a request of y really went to `home`: y's home follows it
     router.on_request_completed(home.replica_id, "i9")
     assert router._last["y"] == home.replica_id
+    # requests that ended queue nowhere: one after another, z stays home with the other replica idle
+    # and no report since (before, the ended ones counted as queued and z spread after four)
+    router._sent.clear()
+    z_home = asyncio.run(first(20, "z"))
+    for n in range(21, 30):
+        router.on_request_completed(z_home.replica_id, f"i{n - 1}")
+        assert asyncio.run(first(n, "z")) is z_home
