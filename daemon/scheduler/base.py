@@ -25,6 +25,8 @@ from loraplex.daemon.memory.prefix_cache import PrefixCache
 from loraplex.daemon.scheduler.admission import EarlyAbort, SloAdmission
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.estimators import OutputLengthPredictor, StepCostModel
+from loraplex.daemon.scheduler.admit_gate import AdmitGate
+from loraplex.daemon.scheduler.clustering import AdapterClustering
 from loraplex.daemon.scheduler.kv_pages import KvPages
 from loraplex.daemon.scheduler.lookahead import InFlight, awaits_token, fill
 from loraplex.daemon.scheduler.outputs import TokenRecorder
@@ -56,13 +58,13 @@ class BaseScheduler(ABC):
         self.adapters = AdapterResidency(allocator, config.cache_policy, predictor=predictor, clock=clock,
                                          prefix=self.prefix_reuse.cache)
         self._adapter_pages = adapter_pages
-        self.kv = self._page_accounting()
         # Without ranks, an adapter's page count stands in for its size (it grows with the rank).
         self._adapter_rank = adapter_rank or adapter_pages
         self._clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
+        self._wire()
         self._step_ids = itertools.count()
         self.num_preemptions = 0
         self.inflight = InFlight()  # the plan whose result is awaited, and those launched ahead (overlap)
@@ -73,9 +75,7 @@ class BaseScheduler(ABC):
         self.admission = SloAdmission(config.ttft_slo_s)
         self._own_slo = 0  # requests in flight with their own TTFT SLO
         self._aborted: list[EarlyAbort] = []
-        self._skips: dict[str, int] = {}  # request id -> times passed over by clustering
-        self._passed: tuple[Sequence, list[Sequence]] | None = None  # the last clustering pick, and whom it passed
-        self._awaiting: set[str] = set()  # request ids this plan left queued while their adapter arrives
+        self.clustering = AdapterClustering(config)
         # The plan being built: rows by request id, and the token budget left.
         self._rows: dict[str, RowPlan] = {}
         self._budget = 0
@@ -88,17 +88,20 @@ class BaseScheduler(ABC):
             raise RuntimeError("a scheduler can only be switched between steps")
         self.adapters = other.adapters
         self.prefix_reuse = other.prefix_reuse
-        self.kv = self._page_accounting()
         self.waiting, self.running, self._by_id = other.waiting, other.running, other._by_id
+        self._wire()
         self._step_ids = other._step_ids
         self.num_preemptions = other.num_preemptions
         self._own_slo = other._own_slo
         for seq in list(self.waiting) + self.running:
             self._on_add(seq)
 
-    def _page_accounting(self) -> KvPages:
-        return KvPages(self.config, self.geometry, self.allocator, self.adapters, self._adapter_pages,
-                       self.prefix_reuse)
+    def _wire(self) -> None:
+        """(Re)build the collaborators that act on the adapters, prefix cache and batch held now."""
+        self.kv = KvPages(self.config, self.geometry, self.allocator, self.adapters, self._adapter_pages,
+                          self.prefix_reuse)
+        self.gate = AdmitGate(self.config, self.adapters, self.kv, self.prefix_reuse, self._adapter_pages,
+                              self.running)
 
     @property
     def prefix(self) -> PrefixCache | None:
@@ -169,7 +172,7 @@ class BaseScheduler(ABC):
             self.running.remove(seq)
             self.kv.release(seq)
         del self._by_id[request_id]
-        self._skips.pop(request_id, None)
+        self.clustering.forget(request_id)
         if seq.req.ttft_slo_s is not None:
             self._own_slo -= 1
         self._on_finish(seq)
@@ -227,11 +230,8 @@ class BaseScheduler(ABC):
         return plan
 
     def _forget_awaiting(self) -> None:
-        """Start a planning pass with no one waiting for an adapter: a pass planned again must not
-        keep the seats and pages the pass it replaces reserved (the waiting request itself could
-        no longer fit beside its own reservation: dLoRA, found by the property tests)."""
-        self._awaiting = set()
-        self.kv.held = 0
+        """Start a planning pass with no one waiting for an adapter (AdmitGate.forget_awaiting)."""
+        self.gate.forget_awaiting()
 
     @abstractmethod
     def _plan(self, now: float) -> None:
@@ -267,7 +267,7 @@ class BaseScheduler(ABC):
             self._budget += len(row.token_ids)
             n += len(row.token_ids)
         n = min(n, seq.num_uncomputed)
-        if not self._grow_kv(seq, n, allow_preempt=True):
+        if not self._grow_kv(seq, n):
             return False
         self._add_row(seq, n)
         return True
@@ -279,34 +279,11 @@ class BaseScheduler(ABC):
 
     def _admit(self, seq: Sequence, n: int) -> bool:
         """Move a queued sequence into the batch with its first `n` tokens; False (and nothing
-        changed) when a seat, the adapter's pages or the KV pages are not there."""
-        if n <= 0 or seq.status is not SeqStatus.WAITING or awaits_token(seq) or not self._has_seat(seq):
+        changed) when a seat, the adapter's pages or the KV pages are not there (admit_gate.py)."""
+        if n <= 0 or seq.status is not SeqStatus.WAITING or awaits_token(seq):
             return False
-        adapter = seq.req.adapter
-        if seq.num_preemptions and not self.kv.context_fits(seq):
-            return False
-        if self._awaiting and not self._leaves_room_for_awaiting(seq, n):
-            return False
-        if self.prefix_reuse.in_flight(seq, self.running, self.merged_adapter):
-            # Wait a step or two for a running sequence to compute (and cache) the prompt pages
-            # this one shares with it, instead of computing them twice (n > 1 siblings, a burst
-            # of one system prompt); like a request awaiting its adapter, others may pass it.
-            self._await(seq, n)
-            return False
-        if adapter is not None and self._must_await_load(adapter):
-            if self.adapters.place_ahead(adapter, self._adapter_pages(adapter), self.config.load_groups):
-                self._await(seq, n)
-                seq.waited_for_adapter = True
-            return False
-        if adapter is not None and not self.adapters.acquire(adapter, self._adapter_pages(adapter),
-                                                             self.config.load_groups):
-            return False
-        n = self.prefix_reuse.reuse(seq, n, self.merged_adapter)
-        if not self._grow_kv(seq, n, allow_preempt=False):
-            self.kv.drop(seq)
-            seq.num_computed = 0
-            if adapter is not None:
-                self.adapters.release(adapter, backout=True)
+        n = self.gate.enter(seq, n, self.merged_adapter, planning=bool(self._rows))
+        if n is None:
             return False
         if self.waiting and self.waiting[0] is seq:
             self.waiting.popleft()
@@ -314,71 +291,24 @@ class BaseScheduler(ABC):
             self.waiting.remove(seq)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-        self._skips.pop(seq.request_id, None)
-        if self._passed is not None and self._passed[0] is seq:
-            for skipped in self._passed[1]:
-                self._skips[skipped.request_id] = self._skips.get(skipped.request_id, 0) + 1
-        self._passed = None
+        self.clustering.admitted(seq)
         self._add_row(seq, n)
         self._on_admit(seq)
         return True
 
-    def _must_await_load(self, adapter: str) -> bool:
-        """With admit_when_loaded, a request whose adapter is not yet fully on the GPU waits in
-        the queue while it loads, rather than stalling every row of the step on the copy; when
-        nothing else would run it is admitted at once and the step overlaps the load."""
-        return (self.config.admit_when_loaded and bool(self._rows or self.running)
-                and not self.adapters.is_ready(adapter)
-                and self.adapters.refs(adapter) == 0)  # a running user's rows wait for it anyway
-
-    def _leaves_room_for_awaiting(self, seq: Sequence, n: int) -> bool:
-        """A request may pass those waiting for their adapter only with a seat and free pages
-        to spare for them, so that passing never delays them once their copy is in."""
-        if len(self.running) + len(self._awaiting) >= self.config.max_num_seqs:
-            return False
-        return self.kv.spare_for(seq, n)
-
-    def _await(self, seq: Sequence, n: int) -> None:
-        """Leave `seq` queued for this plan, holding back a seat and the pages of its first `n` tokens."""
-        self._awaiting.add(seq.request_id)
-        self.kv.hold(seq, n)
-
     def awaiting_load(self, seq: Sequence) -> bool:
         """This plan left `seq` queued only because its adapter is still arriving: the policy
         may admit the requests behind it (the wait is the copy's, not a lack of resources)."""
-        return seq.request_id in self._awaiting
+        return seq.request_id in self.gate.awaiting
 
     def waited_for_adapter(self, request_id: str) -> bool:
         """Whether the request was left queued while its adapter was copied to the GPU."""
         seq = self._by_id.get(request_id)
         return seq is not None and seq.waited_for_adapter
 
-    def _has_seat(self, seq: Sequence) -> bool:
-        if len(self.running) >= self.config.max_num_seqs:
-            return False
-        limit = self.config.max_loras_per_batch
-        adapter = seq.req.adapter
-        if limit and adapter is not None:
-            active = {s.req.adapter for s in self.running if s.req.adapter is not None}
-            return adapter in active or len(active) < limit
-        return True
-
     def _pick(self, candidates: Seq[Sequence]) -> Sequence:
-        """The next candidate to admit: the first, or with adapter clustering the first whose
-        adapter already runs (base-model requests always share), unless one was passed over
-        `cluster_max_skips` times."""
-        if not self.config.cluster_adapters or len(candidates) == 1:
-            return candidates[0]
-        limit = self.config.cluster_max_skips
-        for seq in candidates:
-            if self._skips.get(seq.request_id, 0) >= limit:
-                return seq
-        active = {s.req.adapter for s in self.running}
-        for i, seq in enumerate(candidates):
-            if seq.req.adapter is None or seq.req.adapter in active:
-                self._passed = (seq, list(itertools.islice(candidates, i)))  # counted if `seq` is admitted
-                return seq
-        return candidates[0]
+        """The next candidate to admit (AdapterClustering.pick)."""
+        return self.clustering.pick(candidates, self.running)
 
     def _add_row(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed
@@ -397,11 +327,11 @@ class BaseScheduler(ABC):
         )
         self._budget -= n
 
-    def _grow_kv(self, seq: Sequence, n: int, *, allow_preempt: bool) -> bool:
+    def _grow_kv(self, seq: Sequence, n: int) -> bool:
+        """Give running `seq` the KV pages its next `n` tokens lack, preempting the newest running
+        sequences until there is room; False when `seq` itself had to go."""
         need = self.kv.chunk(seq, n)
         while need > 0 and not self.adapters.make_room(need):
-            if not allow_preempt:
-                return False
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
@@ -490,7 +420,7 @@ class BaseScheduler(ABC):
         seq.finish_reason = reason
         self._by_id.pop(seq.request_id, None)
         self.inflight.fed.pop(seq.request_id, None)
-        self._skips.pop(seq.request_id, None)
+        self.clustering.forget(seq.request_id)
         if seq.req.ttft_slo_s is not None:
             self._own_slo -= 1
         self._on_finish(seq)

@@ -71,6 +71,15 @@ class KvPages:
         """Whether the pages `seq` needs for its next `n` tokens are free beside those held back."""
         return self.wanted(seq, self.geometry.kv_pages_for(seq.num_computed + n)) <= self.allocator.num_free - self.held
 
+    def grow(self, seq: Sequence, n: int) -> bool:
+        """Give `seq` the KV pages its next `n` tokens lack, making room by evicting what nobody
+        holds (idle adapters, cached prefixes); False, and nothing allocated, when there is none."""
+        need = self.chunk(seq, n)
+        if need > 0 and not self.adapters.make_room(need):
+            return False
+        self.allocate(seq, need)
+        return True
+
     def allocate(self, seq: Sequence, need: int) -> None:
         """Give `seq` `need` more KV pages (room for them was made)."""
         if need > 0:
