@@ -1,11 +1,12 @@
 """The iteration-level scheduler every policy shares (torch-free).
 
-Owns the queue, the per-request bookkeeping, admission and recompute-style preemption when KV
-runs out, folding step results back into sequences, early abort and adapter clustering, through
-collaborators it owns: page accounting (kv_pages.py), prefix-cache reuse (prefix_reuse.py), the
-steps in flight (lookahead.py) and the stop rules (outputs.py). A policy only decides, once per
-iteration, which sequences get how many tokens: it implements `_plan` with the helpers `_run` (a
-running sequence) and `_admit` (a queued one). Nothing here imports torch or blocks.
+Owns a request's way through one engine: queued, admitted, preempted (recompute-style, when KV
+runs out), its step results folded in, finished, aborted early or handed over. The concerns are
+collaborators it owns: roster.py (queue and batch), plan_draft.py (the plan being built),
+admit_gate.py (who may enter), clustering.py, kv_pages.py, prefix_reuse.py, lookahead.py (steps
+in flight) and outputs.py (stop rules). A policy only decides, once per iteration, which
+sequences get how many tokens: it implements `_plan` with the helpers `_run` (a running
+sequence) and `_admit` (a queued one). Nothing here imports torch or blocks.
 """
 from __future__ import annotations
 
@@ -23,17 +24,19 @@ from loraplex.daemon.memory.adapter_residency import AdapterResidency
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.memory.prefix_cache import PrefixCache
 from loraplex.daemon.scheduler.admission import EarlyAbort, SloAdmission
-from loraplex.daemon.scheduler.config import SchedulerConfig
-from loraplex.daemon.scheduler.estimators import OutputLengthPredictor, StepCostModel
 from loraplex.daemon.scheduler.admit_gate import AdmitGate
 from loraplex.daemon.scheduler.clustering import AdapterClustering
+from loraplex.daemon.scheduler.config import SchedulerConfig
+from loraplex.daemon.scheduler.estimators import OutputLengthPredictor, StepCostModel
 from loraplex.daemon.scheduler.kv_pages import KvPages
-from loraplex.daemon.scheduler.lookahead import InFlight, awaits_token, fill
+from loraplex.daemon.scheduler.lookahead import InFlight, awaits_token, fill_placeholder
 from loraplex.daemon.scheduler.outputs import TokenRecorder
+from loraplex.daemon.scheduler.plan_draft import PlanDraft
 from loraplex.daemon.scheduler.prefix_reuse import PrefixReuse
+from loraplex.daemon.scheduler.roster import Roster
 from loraplex.daemon.scheduler.sequence import SeqRequest, SeqStatus, Sequence
-from loraplex.errors import CapacityError, DuplicateRequestError
-from loraplex.ipc.engine_plan import RowPlan, RowResult, StepPlan, StepResult
+from loraplex.errors import DuplicateRequestError
+from loraplex.ipc.engine_plan import RowResult, StepPlan, StepResult
 
 Clock = Callable[[], float]
 
@@ -61,9 +64,7 @@ class BaseScheduler(ABC):
         # Without ranks, an adapter's page count stands in for its size (it grows with the rank).
         self._adapter_rank = adapter_rank or adapter_pages
         self._clock = clock
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self._by_id: dict[str, Sequence] = {}
+        self.roster = Roster()
         self._wire()
         self._step_ids = itertools.count()
         self.num_preemptions = 0
@@ -73,12 +74,9 @@ class BaseScheduler(ABC):
         self.predictor = OutputLengthPredictor()
         self.outputs = TokenRecorder(eos_token_ids, config.max_model_len, self.predictor, clock)
         self.admission = SloAdmission(config.ttft_slo_s)
-        self._own_slo = 0  # requests in flight with their own TTFT SLO
         self._aborted: list[EarlyAbort] = []
         self.clustering = AdapterClustering(config)
-        # The plan being built: rows by request id, and the token budget left.
-        self._rows: dict[str, RowPlan] = {}
-        self._budget = 0
+        self.draft = PlanDraft()
 
     # ---- queue ----------------------------------------------------------------------------
     def adopt(self, other: BaseScheduler) -> None:
@@ -88,11 +86,10 @@ class BaseScheduler(ABC):
             raise RuntimeError("a scheduler can only be switched between steps")
         self.adapters = other.adapters
         self.prefix_reuse = other.prefix_reuse
-        self.waiting, self.running, self._by_id = other.waiting, other.running, other._by_id
+        self.roster = other.roster
         self._wire()
         self._step_ids = other._step_ids
         self.num_preemptions = other.num_preemptions
-        self._own_slo = other._own_slo
         for seq in list(self.waiting) + self.running:
             self._on_add(seq)
 
@@ -108,48 +105,38 @@ class BaseScheduler(ABC):
         """The prefix cache (None: scheduler.prefix_cache is off)."""
         return self.prefix_reuse.cache
 
+    @property
+    def waiting(self) -> deque[Sequence]:
+        """The queue (Roster.waiting)."""
+        return self.roster.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The batch (Roster.running)."""
+        return self.roster.running
+
     def requeue(self, seq: Sequence) -> None:
-        """Take over a sequence whose KV was lost with its engine: it is recomputed from its prompt
-        and the tokens it already produced, and sampling continues at the same token index, so
-        the client sees neither a gap nor a duplicate."""
-        if seq.request_id in self._by_id:
-            raise ValueError(f"request {seq.request_id!r} is already queued")
-        seq.kv_pages = []
-        seq.cached_blocks = 0
-        seq.prefix_open = True
-        seq.num_computed = 0
-        seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
-        self._by_id[seq.request_id] = seq
-        if seq.req.ttft_slo_s is not None:
-            self._own_slo += 1
+        """Take over a sequence whose KV was lost with its engine (Roster.requeue): sampling
+        continues at the same token index, so the client sees neither a gap nor a duplicate."""
+        self.roster.requeue(seq)
         self._on_add(seq)
 
     def add(self, req: SeqRequest) -> Sequence:
         if not req.prompt_ids:
             raise ValueError(f"request {req.request_id!r} has an empty prompt")
-        if req.request_id in self._by_id:
+        if req.request_id in self.roster:
             raise DuplicateRequestError(f"request id {req.request_id!r} is already in flight")
-        need = self.kv.worst(req)
-        if req.adapter is not None:
-            need += self._adapter_pages(req.adapter)
-        if need > self.allocator.num_pages:
-            raise CapacityError(
-                f"request {req.request_id!r} needs up to {need} pages; the pool has {self.allocator.num_pages}"
-            )
-        if req.ttft_slo_s is not None:
-            if not (math.isfinite(req.ttft_slo_s) and req.ttft_slo_s > 0):
-                raise ValueError(f"request {req.request_id!r}: ttft_slo_s must be a positive number of seconds")
-            self._own_slo += 1
+        self.kv.check_pool(req)
+        if req.ttft_slo_s is not None and not (math.isfinite(req.ttft_slo_s) and req.ttft_slo_s > 0):
+            raise ValueError(f"request {req.request_id!r}: ttft_slo_s must be a positive number of seconds")
         seq = Sequence(req=req, arrival=self._clock())
         seq.expected_cached = self.prefix_reuse.expected(req)
-        self.waiting.append(seq)
-        self._by_id[req.request_id] = seq
+        self.roster.queue(seq)
         self._on_add(seq)
         return seq
 
     def abort(self, request_id: str) -> Sequence | None:
-        seq = self._by_id.get(request_id)
+        seq = self.roster.get(request_id)
         if seq is None:
             return None
         if seq.status is SeqStatus.WAITING:
@@ -161,7 +148,7 @@ class BaseScheduler(ABC):
         """Hand a sequence over to another engine (migration): it leaves this scheduler without
         finishing, its KV pages and adapter reference are released, and the receiver `requeue`s
         it (recompute from prompt + tokens so far). None when unknown or in the plan in flight."""
-        seq = self._by_id.get(request_id)
+        seq = self.roster.get(request_id)
         if seq is None or self.inflight.holds(request_id):
             return None
         if seq.status is SeqStatus.WAITING:
@@ -171,10 +158,8 @@ class BaseScheduler(ABC):
         else:
             self.running.remove(seq)
             self.kv.release(seq)
-        del self._by_id[request_id]
+        self.roster.leave(seq)
         self.clustering.forget(request_id)
-        if seq.req.ttft_slo_s is not None:
-            self._own_slo -= 1
         self._on_finish(seq)
         seq.status = SeqStatus.WAITING
         return seq
@@ -205,27 +190,25 @@ class BaseScheduler(ABC):
             raise RuntimeError("schedule() called before the previous plan's result was applied")
         now = self._clock()
         self._scheduled_at = now
-        if self.admission.default_slo_s is not None or self._own_slo:
+        if self.admission.default_slo_s is not None or self.roster.own_slo:
             self._early_abort(now)
-        self._rows = {}
+        self.draft.start(self.config.max_batched_tokens)
         self._forget_awaiting()
-        self._budget = self.config.max_batched_tokens
         self.adapters.set_queued(s.req.adapter for s in self.waiting)
         self._plan(now)
-        if not self._rows and self.adapters.arriving:
+        if not self.draft and self.adapters.arriving:
             # Nothing runs, so no step will report those loads done: stop waiting for them (a
             # request joins with its adapter still arriving, an eviction waits for the copy).
             self.adapters.set_arriving(())
             self._forget_awaiting()
             self._plan(now)
-        if not self._rows:
+        if not self.draft:
             return None
         if self.config.prefetch:
             self.kv.prefetch(self.waiting)
         changes = self.adapters.take_changes()
-        plan = StepPlan(step_id=next(self._step_ids), rows=list(self._rows.values()), place=changes.place,
+        plan = StepPlan(step_id=next(self._step_ids), rows=self.draft.take_rows(), place=changes.place,
                         evict=changes.evict, merged_adapter=self.merged_adapter)
-        self._rows = {}
         self.inflight.step_id = plan.step_id
         return plan
 
@@ -235,7 +218,7 @@ class BaseScheduler(ABC):
 
     @abstractmethod
     def _plan(self, now: float) -> None:
-        """Fill the plan through `_run` and `_admit` while `self._budget` lasts."""
+        """Fill the plan through `_run` and `_admit` while `self.draft.budget` lasts."""
 
     def placement_plan(self) -> StepPlan | None:
         """A plan with no rows carrying pending adapter placements (e.g. preloading in cached mode)."""
@@ -250,47 +233,33 @@ class BaseScheduler(ABC):
     def discard_inflight(self) -> None:
         """The engine failed to run the plan in flight and every launched one: their tokens are
         planned again (InFlight.discard)."""
-        self.inflight.discard(self._by_id)
+        self.inflight.discard(self.roster.by_id)
 
     def launch(self, plan: StepPlan) -> None:
         """`plan` went to the engine and the next one may be made before its result comes
         (InFlight.launch); `apply` resolves it later."""
-        self.inflight.launch(plan, self._by_id)
+        self.inflight.launch(plan, self.roster.by_id)
 
     def _run(self, seq: Sequence, n: int) -> bool:
         """Plan `n` more tokens of a running sequence (lengthening its row if it has one in this
         plan already); may preempt the newest running sequence for KV pages."""
         if n <= 0 or seq.status is not SeqStatus.RUNNING or self.outputs.reached_length(seq):
             return False
-        row = self._rows.pop(seq.request_id, None)
-        if row is not None:
-            self._budget += len(row.token_ids)
-            n += len(row.token_ids)
-        n = min(n, seq.num_uncomputed)
+        n = min(n + self.draft.take_back(seq), seq.num_uncomputed)
         if not self._grow_kv(seq, n):
             return False
         self._add_row(seq, n)
         return True
-
-    def planned(self, seq: Sequence) -> int:
-        """Tokens of `seq` in the plan being built."""
-        row = self._rows.get(seq.request_id)
-        return 0 if row is None else len(row.token_ids)
 
     def _admit(self, seq: Sequence, n: int) -> bool:
         """Move a queued sequence into the batch with its first `n` tokens; False (and nothing
         changed) when a seat, the adapter's pages or the KV pages are not there (admit_gate.py)."""
         if n <= 0 or seq.status is not SeqStatus.WAITING or awaits_token(seq):
             return False
-        n = self.gate.enter(seq, n, self.merged_adapter, planning=bool(self._rows))
+        n = self.gate.enter(seq, n, self.merged_adapter, planning=bool(self.draft))
         if n is None:
             return False
-        if self.waiting and self.waiting[0] is seq:
-            self.waiting.popleft()
-        else:
-            self.waiting.remove(seq)
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        self.roster.start(seq)
         self.clustering.admitted(seq)
         self._add_row(seq, n)
         self._on_admit(seq)
@@ -303,7 +272,7 @@ class BaseScheduler(ABC):
 
     def waited_for_adapter(self, request_id: str) -> bool:
         """Whether the request was left queued while its adapter was copied to the GPU."""
-        seq = self._by_id.get(request_id)
+        seq = self.roster.get(request_id)
         return seq is not None and seq.waited_for_adapter
 
     def _pick(self, candidates: Seq[Sequence]) -> Sequence:
@@ -311,21 +280,10 @@ class BaseScheduler(ABC):
         return self.clustering.pick(candidates, self.running)
 
     def _add_row(self, seq: Sequence, n: int) -> None:
-        start = seq.num_computed
         self.inflight.fed[seq.request_id] = n
         if seq.first_scheduled is None:
             seq.first_scheduled = self._clock()
-        self._rows[seq.request_id] = RowPlan(
-            request_id=seq.request_id,
-            token_ids=seq.token_slice(start, start + n),
-            start_pos=start,
-            kv_pages=list(seq.kv_pages),
-            adapter=seq.req.adapter,
-            sample=start + n == seq.num_tokens,
-            sampling=seq.req.sampling,
-            sample_index=len(seq.output_ids),
-        )
-        self._budget -= n
+        self.draft.add(seq, n)
 
     def _grow_kv(self, seq: Sequence, n: int) -> bool:
         """Give running `seq` the KV pages its next `n` tokens lack, preempting the newest running
@@ -344,9 +302,7 @@ class BaseScheduler(ABC):
         A row already planned for it in this step is taken back out of the plan."""
         self.running.remove(seq)
         self.kv.release(seq)
-        row = self._rows.pop(seq.request_id, None)
-        if row is not None:
-            self._budget += len(row.token_ids)
+        self.draft.take_back(seq)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -376,7 +332,7 @@ class BaseScheduler(ABC):
             return self._resolve(plan, sampled)
         finished: list[Sequence] = []
         for row in plan.rows:
-            seq = self._by_id.get(row.request_id)
+            seq = self.roster.get(row.request_id)
             fed = self.inflight.fed.pop(row.request_id, None)
             if seq is None or fed is None or seq.status is not SeqStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
@@ -400,7 +356,8 @@ class BaseScheduler(ABC):
         sequence preempted since: its pages are not the ones this step wrote)."""
         finished: list[Sequence] = []
         for seq, index, preemptions in self.inflight.launched.take(plan):
-            if self._by_id.get(seq.request_id) is not seq or not fill(seq, index, sampled.get(seq.request_id)):
+            out = sampled.get(seq.request_id)
+            if self.roster.get(seq.request_id) is not seq or not fill_placeholder(seq, index, out):
                 continue
             if seq.status is SeqStatus.RUNNING and seq.num_preemptions == preemptions:
                 self.prefix_reuse.offer(seq, plan.merged_adapter, upto=len(seq.req.prompt_ids) + index)
@@ -418,11 +375,9 @@ class BaseScheduler(ABC):
             self.kv.release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        self._by_id.pop(seq.request_id, None)
+        self.roster.leave(seq)
         self.inflight.fed.pop(seq.request_id, None)
         self.clustering.forget(seq.request_id)
-        if seq.req.ttft_slo_s is not None:
-            self._own_slo -= 1
         self._on_finish(seq)
 
     # ---- policy hooks (no-ops by default) ----------------------------------------------------

@@ -15,6 +15,7 @@ from loraplex.daemon.memory.allocator import KV, PageAllocator
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.prefix_reuse import PrefixReuse
 from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
+from loraplex.errors import CapacityError
 
 
 class KvPages:
@@ -33,6 +34,16 @@ class KvPages:
         max_model_len, so it bounds the need from below)."""
         worst_len = max(len(req.prompt_ids), min(len(req.prompt_ids) + req.max_tokens, self.config.max_model_len))
         return self.geometry.kv_pages_for(worst_len)
+
+    def check_pool(self, req: SeqRequest) -> None:
+        """CapacityError when the whole pool could not hold the request at its longest, with its adapter."""
+        need = self.worst(req)
+        if req.adapter is not None:
+            need += self.adapter_pages(req.adapter)
+        if need > self.allocator.num_pages:
+            raise CapacityError(
+                f"request {req.request_id!r} needs up to {need} pages; the pool has {self.allocator.num_pages}"
+            )
 
     def context_fits(self, seq: Sequence) -> bool:
         """Whether all the KV `seq` can still need fits in free and reclaimable pages. A preempted

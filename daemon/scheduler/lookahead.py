@@ -7,7 +7,7 @@ computed, and each row that samples gets a PENDING output token, which the next 
 (the engine puts there the token it sampled for that row, ipc/plan_delta.py). When the
 result comes, the sampled token replaces the placeholder. A failed step takes back what
 every launched plan assumed (`rollback`), after which the same tokens are planned again, as
-the synchronous loop does after `discard_inflight`.
+after a failed step without overlap (`InFlight.discard`).
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ class LaunchedSteps:
                     seq.num_computed -= n
 
 
-def fill(seq: Sequence, index: int, out: RowResult | None) -> bool:
+def fill_placeholder(seq: Sequence, index: int, out: RowResult | None) -> bool:
     """Put the token a launched step sampled in place of its placeholder; False when there is no
     placeholder there any more (the sequence finished or was cut short meanwhile) or no token."""
     if out is None or index >= len(seq.output_ids) or seq.output_ids[index] != PENDING:

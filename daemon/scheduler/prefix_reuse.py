@@ -28,7 +28,8 @@ class PrefixReuse:
         self.page_tokens = page_tokens
         self.cache: PrefixCache | None = None
         if config.prefix_cache:
-            budget = None if config.prefix_eviction == "unified" else int(allocator.num_pages * config.prefix_cache_share)
+            unified = config.prefix_eviction == "unified"
+            budget = None if unified else int(allocator.num_pages * config.prefix_cache_share)
             self.cache = PrefixCache(allocator, page_tokens, clock, max_pages=budget)
 
     def expected(self, req: SeqRequest) -> int:
