@@ -153,13 +153,13 @@ def test_a_second_request_for_an_adapter_a_running_request_awaits_is_not_held_ba
 
 
 def test_a_prefetched_adapter_still_arriving_counts_a_miss_for_the_request_that_waits():
-    sched, engine = _with_ada_running()
-    engine.add(request("blocked", [2] * 4, 2, "ada"))
-    sched.config = dataclasses.replace(sched.config, max_num_seqs=1)  # no seat: bob's request queues
+    sched, engine = _with_ada_running(max_num_seqs=2)
+    engine.add(request("taker", [2] * 4, 20, "ada"))  # takes the last seat: bob's request queues
     engine.add(request("later", [3] * 4, 2, "bob"))
     plan = _step(sched, engine)
+    assert "taker" in {r.request_id for r in plan.rows} and "later" not in {r.request_id for r in plan.rows}
     assert [p.name for p in plan.place] == ["bob"]  # prefetched for the queued request
-    sched.config = dataclasses.replace(sched.config, max_num_seqs=16)
+    sched.abort("taker")  # a seat opens
     plan = _step(sched, engine)  # bob still arriving: "later" waits for it
     assert "later" not in {r.request_id for r in plan.rows} and engine.seqs["later"].waited_for_adapter
     while engine.seqs["later"].status is SeqStatus.WAITING:

@@ -1,5 +1,5 @@
-"""The control plane's shape, read from the source: no function in daemon/ is longer than 60
-lines, and no daemon class is assembled from mixins (the serving core owns collaborators with
+"""The control plane's shape, read from the source: no module in daemon/ is longer than 500
+lines, no function longer than 60, and no daemon class is assembled from mixins (the serving core owns collaborators with
 small interfaces instead of inheriting their methods and reaching into a shared `self`)."""
 from __future__ import annotations
 
@@ -8,6 +8,12 @@ from pathlib import Path
 
 DAEMON = Path(__file__).resolve().parent.parent / "daemon"
 MAX_FUNCTION_LINES = 60
+MAX_MODULE_LINES = 500  # STYLE.md: 300 lines is normal, 500 is the signal to split
+# Modules known to be past the limit, each with why it still is; a module leaves this list when
+# it is split, and nothing joins it without a reason here.
+OVERSIZED_MODULES = {
+    "daemon/config.py": "every setting's field with its help text and the one loader; not split yet",
+}
 
 
 def _trees() -> dict[str, ast.Module]:
@@ -65,6 +71,18 @@ def test_no_function_in_daemon_is_longer_than_60_lines() -> None:
     assert not long, "split these into named steps: " + "; ".join(long)
 
 
+def _oversized(paths_and_lines: dict[str, int]) -> list[str]:
+    return [f"{path} ({n} lines)" for path, n in sorted(paths_and_lines.items())
+            if n > MAX_MODULE_LINES and path not in OVERSIZED_MODULES]
+
+
+def test_no_module_in_daemon_is_longer_than_500_lines() -> None:
+    lines = {str(p.relative_to(DAEMON.parent)): len(p.read_text().splitlines()) for p in DAEMON.rglob("*.py")}
+    assert not _oversized(lines), "split these into owned collaborators: " + "; ".join(_oversized(lines))
+    still = [path for path in OVERSIZED_MODULES if lines.get(path, 0) <= MAX_MODULE_LINES]
+    assert not still, f"{still} no longer past the limit: take them off OVERSIZED_MODULES"
+
+
 def test_the_serving_core_owns_its_collaborators() -> None:
     [(_, core)] = _classes()["ServingCore"]
     assert core.bases == [], f"ServingCore derives from {_base_names(core)}: it should own collaborators instead"
@@ -87,7 +105,7 @@ def test_no_daemon_class_is_assembled_from_mixins() -> None:
 
 
 def test_the_checks_can_fail() -> None:
-    """The rules above are not vacuous: they catch a mixin assembly and a long function."""
+    """The rules above are not vacuous: they catch a mixin assembly, a long function and a long module."""
     sample = ast.parse("class Needs:\n    def go(self):\n        return self.x\n\n"
                        "class Host(Needs, object):\n    pass\n\n"
                        "def long():\n" + "    x = 1\n" * 61)
@@ -97,3 +115,4 @@ def test_the_checks_can_fail() -> None:
     assert not _is_real_base("Needs", classes)
     func = next(n for n in sample.body if isinstance(n, ast.FunctionDef))
     assert func.end_lineno - func.lineno + 1 > MAX_FUNCTION_LINES
+    assert _oversized({"daemon/x.py": MAX_MODULE_LINES + 1, "daemon/y.py": MAX_MODULE_LINES}) == ["daemon/x.py (501 lines)"]

@@ -101,7 +101,7 @@ class DloraScheduler(BaseScheduler):
         self._calls += 1
         self._decide()
         self._plan_mode()
-        if not self._rows and self.merged is not None:  # the merged adapter cannot move: let the rest run
+        if not self.draft and self.merged is not None:  # the merged adapter cannot move: let the rest run
             self._switch(None, "idle")
             self._forget_awaiting()
             self._plan_mode()
@@ -109,14 +109,14 @@ class DloraScheduler(BaseScheduler):
     def _plan_mode(self) -> None:
         merged = self.merged
         for seq in list(self.running):
-            if self._budget == 0:
+            if self.draft.budget == 0:
                 break
             if seq.status is SeqStatus.RUNNING and (merged is None or seq.req.adapter == merged):
-                self._run(seq, min(seq.num_uncomputed, self._budget))
+                self._run(seq, min(seq.num_uncomputed, self.draft.budget))
         candidates = [s for s in self.waiting if merged is None or s.req.adapter == merged]
-        while candidates and self._budget > 0:
+        while candidates and self.draft.budget > 0:
             seq = self._pick(candidates)
-            if not self._admit(seq, min(seq.num_uncomputed, self._budget)) and not self.awaiting_load(seq):
+            if not self._admit(seq, min(seq.num_uncomputed, self.draft.budget)) and not self.awaiting_load(seq):
                 break
             candidates.remove(seq)
 

@@ -1,12 +1,13 @@
-"""One step planned ahead (scheduler.overlap): the plans launched on an engine whose results
-have not come back, and what the scheduler assumed of them. Torch-free.
+"""The steps in flight on an engine (torch-free): the plan whose result the scheduler awaits,
+the tokens each of its rows feeds, and with one step planned ahead (scheduler.overlap) the plans
+launched on the engine whose results have not come back, and what the scheduler assumed of them.
 
 Launching a plan advances its sequences as if it had run: the tokens it feeds count as
 computed, and each row that samples gets a PENDING output token, which the next plan feeds
 (the engine puts there the token it sampled for that row, ipc/plan_delta.py). When the
 result comes, the sampled token replaces the placeholder. A failed step takes back what
 every launched plan assumed (`rollback`), after which the same tokens are planned again, as
-the synchronous loop does after `discard_inflight`.
+after a failed step without overlap (`InFlight.discard`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from loraplex.daemon.scheduler.sequence import SeqStatus, Sequence
-from loraplex.ipc.engine_plan import StepPlan
+from loraplex.ipc.engine_plan import RowResult, StepPlan, StepResult
 from loraplex.ipc.plan_delta import FEED_SAMPLED
 
 # An output token sampled by a launched step, not known here yet; fed to the engine as is, it
@@ -82,3 +83,61 @@ class LaunchedSteps:
                     seq.logprobs.pop()
                 if seq.status is SeqStatus.RUNNING and seq.num_preemptions == preemptions:
                     seq.num_computed -= n
+
+
+def fill_placeholder(seq: Sequence, index: int, out: RowResult | None) -> bool:
+    """Put the token a launched step sampled in place of its placeholder; False when there is no
+    placeholder there any more (the sequence finished or was cut short meanwhile) or no token."""
+    if out is None or index >= len(seq.output_ids) or seq.output_ids[index] != PENDING:
+        return False
+    seq.output_ids[index] = out.token_id
+    seq.logprobs[index] = out.logprob
+    return True
+
+
+class InFlight:
+    """The plan handed to the engine whose result is awaited (`step_id`, None: none) and the tokens
+    each of its rows feeds (`fed`, filled while the plan is built); `launched`: the plans launched
+    ahead of their results. Contract: at most one plan is awaited; `launch` turns it into a
+    launched one, so that the next plan may be made before its result comes."""
+
+    def __init__(self) -> None:
+        self.step_id: int | None = None
+        self.fed: dict[str, int] = {}  # request id -> tokens fed in the plan in flight
+        self.launched = LaunchedSteps()
+
+    @property
+    def idle(self) -> bool:
+        """No plan awaited and none launched: the scheduler may be switched or handed over."""
+        return self.step_id is None and not len(self.launched)
+
+    def holds(self, request_id: str) -> bool:
+        """A plan in flight has a row of this request (it cannot be handed to another engine yet)."""
+        return request_id in self.fed or self.launched.holds(request_id)
+
+    def launch(self, plan: StepPlan, by_id: dict[str, Sequence]) -> None:
+        """`plan` went to the engine and the next one may be made before its result comes: its
+        sequences advance as if it had run; its result is resolved later (`LaunchedSteps.take`)."""
+        if plan.step_id != self.step_id:
+            raise ValueError(f"step {plan.step_id} is not the plan in flight ({self.step_id})")
+        self.launched.launch(plan, self.fed, by_id)
+        self.fed.clear()
+        self.step_id = None
+
+    def discard(self, by_id: dict[str, Sequence]) -> None:
+        """The engine failed to run the plan in flight (and every launched one): nothing they
+        planned was computed, so the same tokens are simply planned again (pages and adapter
+        placements stay valid)."""
+        self.step_id = None
+        self.fed.clear()
+        self.launched.rollback(by_id)
+
+    def settle(self, plan: StepPlan, result: StepResult) -> bool:
+        """`result` came for `plan`: the plan in flight (False; nothing is awaited any more) or the
+        oldest launched one (True). ValueError when it answers neither."""
+        launched = plan.step_id != self.step_id and len(self.launched) > 0
+        if (not launched and plan.step_id != self.step_id) or result.step_id != plan.step_id:
+            raise ValueError(f"result of step {result.step_id} does not match the plan in flight ({self.step_id})")
+        if not launched:
+            self.step_id = None
+        return launched

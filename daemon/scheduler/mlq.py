@@ -173,7 +173,7 @@ class MlqScheduler(BaseScheduler):
     def _plan(self, now: float) -> None:
         prefilling: dict[int, list[Sequence]] = {}
         for seq in list(self.running):  # non-preemptive: running decodes always go first
-            if self._budget == 0:
+            if self.draft.budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue
@@ -185,17 +185,17 @@ class MlqScheduler(BaseScheduler):
         for seq in self.waiting:
             waiting.setdefault(self._level[seq.request_id], []).append(seq)
         levels = sorted(set(prefilling) | set(waiting))
-        if not levels or self._budget == 0:
+        if not levels or self.draft.budget == 0:
             return
         order = self._service_order(levels, waiting, now)
-        quotas = self._quotas(order, self._budget)
+        quotas = self._quotas(order, self.draft.budget)
         self._blocked = None
         for level in order:
             self._serve(level, quotas[level], prefilling, waiting, now)
         for level in levels:  # spare quota, from the highest-priority queue down
-            if self._budget == 0:
+            if self.draft.budget == 0:
                 break
-            self._serve(level, self._budget, prefilling, waiting, now)
+            self._serve(level, self.draft.budget, prefilling, waiting, now)
 
     def _service_order(self, levels: list[int], waiting: dict[int, list[Sequence]], now: float) -> list[int]:
         """Queues whose head is past its expected wait first (most overdue first), then by priority."""
@@ -224,16 +224,16 @@ class MlqScheduler(BaseScheduler):
 
     def _serve(self, level: int, quota: int, prefilling: dict[int, list[Sequence]],
                waiting: dict[int, list[Sequence]], now: float) -> None:
-        quota = min(quota, self._budget)
+        quota = min(quota, self.draft.budget)
         for seq in prefilling.get(level, ()):
             if quota <= 0:
                 break
-            left = seq.num_uncomputed - self.planned(seq)
-            before = self._budget
+            left = seq.num_uncomputed - self.draft.planned(seq)
+            before = self.draft.budget
             if left > 0 and self._run(seq, min(left, quota)):
-                quota -= before - self._budget
+                quota -= before - self.draft.budget
         queue = waiting.get(level, [])
-        while queue and quota > 0 and self._budget > 0:
+        while queue and quota > 0 and self.draft.budget > 0:
             seq = self._next(queue, now)
             n = min(seq.num_uncomputed, quota)
             if self._try_admit(seq, n, now):
