@@ -8,6 +8,8 @@ was batched, chunked or preempted.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import random
 import subprocess
 import sys
@@ -266,6 +268,37 @@ def test_overlapped_steps_finish_with_the_reference_tokens(w, seed: int, failure
         assert len(wasted) == len(set(wasted)), "a finished request ran more than one row"
         # A length finish is known in advance: only a sampled stop wastes a row.
         assert all(final[rid].finish_reason == "stop" for rid in wasted)
+    assert_drained(sched)
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_a_row_the_engine_could_not_sample_fails_its_request_only(overlapped: bool) -> None:
+    """A RowResult with an error (its grammar did not compile) finishes that request with "error",
+    keeping only the tokens before it, in both loops; the others get their reference tokens."""
+    rng = random.Random()
+    bad_at = rng.randrange(1, 6)
+    reqs = [request(f"r{i}", [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 12))], 12,
+                    adapter=[None, "bob"][i % 2], seed=i, ignore_eos=True) for i in range(4)]
+
+    class FailingEngine(FakeEngine):
+        def execute(self, plan: StepPlan) -> StepResult:
+            result = super().execute(plan)
+            rows = [dataclasses.replace(r, error="grammar failed") if r.request_id == "r1"
+                    and self.samples and (r.request_id, bad_at) in self.samples[-len(plan.rows):] else r
+                    for r in result.rows]
+            return dataclasses.replace(result, rows=rows)
+
+    sched = make(200)
+    engine = FailingEngine(sched)
+    seqs = [engine.add(r) for r in reqs]
+    finished = engine.run_overlapped() if overlapped else engine.run()
+    assert sorted(s.request_id for s in finished) == [r.request_id for r in reqs]
+    for seq in seqs:
+        tokens, reason = reference(seq.req, 4096)
+        if seq.request_id == "r1":
+            assert (seq.output_ids, seq.finish_reason) == (tokens[:bad_at], "error")
+        else:
+            assert (seq.output_ids, seq.finish_reason) == (tokens, reason), seq.request_id
     assert_drained(sched)
 
 

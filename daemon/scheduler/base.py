@@ -359,9 +359,13 @@ class BaseScheduler(ABC):
             out = sampled.get(seq.request_id)
             if self.roster.get(seq.request_id) is not seq or not fill_placeholder(seq, index, out):
                 continue
-            if seq.status is SeqStatus.RUNNING and seq.num_preemptions == preemptions:
-                self.prefix_reuse.offer(seq, plan.merged_adapter, upto=len(seq.req.prompt_ids) + index)
-            reason = self.outputs.resolved(seq, index)
+            if out.error:  # the engine could not sample it (its grammar): it fails, as in apply
+                del seq.output_ids[index:], seq.logprobs[index:]
+                reason: str | None = "error"
+            else:
+                if seq.status is SeqStatus.RUNNING and seq.num_preemptions == preemptions:
+                    self.prefix_reuse.offer(seq, plan.merged_adapter, upto=len(seq.req.prompt_ids) + index)
+                reason = self.outputs.resolved(seq, index)
             if reason is not None:
                 if seq.status is SeqStatus.WAITING:  # preempted while its token was being sampled
                     self.waiting.remove(seq)

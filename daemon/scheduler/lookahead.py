@@ -92,6 +92,8 @@ def fill_placeholder(seq: Sequence, index: int, out: RowResult | None) -> bool:
         return False
     seq.output_ids[index] = out.token_id
     seq.logprobs[index] = out.logprob
+    if out.top_ids:  # tokens resolve in order, so the list stays one entry per output token
+        seq.top_logprobs.append(dict(zip(out.top_ids, out.top_logprobs)))
     return True
 
 
