@@ -14,7 +14,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from .harness import StageContext
+from .harness import ROOT, StageContext
 
 # Test files whose tests run on CUDA when it is present (on CPU they run in the default suite).
 DEVICE_TEST_FILES = ("tests/test_kernels_lora.py", "tests/test_kernels_attention.py", "tests/test_kernels_backend.py",
@@ -58,8 +58,6 @@ INSTALLED_PROBE = "import loraplex._C, loraplex.daemon, loraplex.gpu_engine; pri
 def install(ctx: StageContext) -> None:
     """`pip install -e .` (no deps, no index: a GPU host has no network) unless this checkout is
     installed already, which builds the extension against the host's own Python and CUDA."""
-    from .harness import ROOT
-
     probe = ctx.run("installed", [sys.executable, "-c", INSTALLED_PROBE], est_s=5, parse_json=False,
                     ok_codes=(0, 1))
     here = probe is not None and str(ROOT) in probe["stdout_tail"]
@@ -71,6 +69,12 @@ def install(ctx: StageContext) -> None:
                         "--no-index", "-e", "."], est_s=60, parse_json=False)
 
 
+def gpu_marked_files() -> list[str]:
+    """The test files that mark tests `gpu`: collecting the whole suite to find them took longer
+    than running them (a dry run on a CPU skips them all)."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+
+
 def run(ctx: StageContext) -> None:
     ext = ctx.run("extension", [sys.executable, "-c", EXTENSION_PROBE], est_s=10)
     if ext is not None:
@@ -78,7 +82,7 @@ def run(ctx: StageContext) -> None:
         ctx.figures["cuda_stream_ops"] = ext["cuda_stream_ops"]
         if ctx.cuda and not ext["cuda_stream_ops"]:
             ctx.items[-1].status, ctx.items[-1].reason = "failed", f"no CUDA stream ops: {ext['unavailable_reason']}"
-    pytest_item(ctx, "gpu_marked_tests", ["-m", "gpu", "tests/"], est_s=30)
+    pytest_item(ctx, "gpu_marked_tests", ["-m", "gpu", *gpu_marked_files()], est_s=30)
     if ctx.cuda:
         pytest_item(ctx, "device_tests", ["-m", "not slow", *DEVICE_TEST_FILES], est_s=60)
     else:

@@ -22,7 +22,7 @@ DECODE_OVERHEAD_TARGET_PCT = 15.0  # bench/decode_profile.py: unmerged LoRA over
 def ttft(ctx: StageContext, shape: str, *, duration: float, rate: float, est_s: float) -> None:
     shape = "tiny" if ctx.dry_run else shape
     if ctx.dry_run:
-        args = ["--shape", "tiny", "--device", "cpu", "--adapters", "6", "--rate", "4", "--duration", "3",
+        args = ["--shape", "tiny", "--device", "cpu", "--adapters", "6", "--rate", "8", "--duration", "1.5",
                 "--prompt-mean", "16", "--output-mean", "4", "--max-prompt", "64", "--max-output", "16",
                 "--cpu-workers", "2"]
     else:
