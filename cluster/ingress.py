@@ -15,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from loraplex.cluster.config import ClusterConfig
-from loraplex.cluster.remote import ClusterAdmin, ClusterClient
+from loraplex.cluster.placement import SPREAD_QUEUE, Placement
+from loraplex.cluster.remote import ClusterAdmin, ClusterClient, QueueMover
 from loraplex.cluster.resolver import AdapterResolver
 from loraplex.cluster.routes import add_routes
 from loraplex.gateway.app import build_app, listen
@@ -33,7 +34,10 @@ class Ingress:
         gateway = GatewayConfig(host="127.0.0.1", port=0, served_model_name=cluster.served_model_name,
                                 enable_adapter_admin=cluster.enable_adapter_admin)
         resolver = AdapterResolver(board, cluster.adapter_source, check_s=cluster.source_check_s)
-        self.client = ClusterClient(replicas, board, multiplexed=cluster.multiplexed, resolver=resolver)
+        # dLoRA's moves of queued requests belong to the loraplex router, which spreads a hot adapter too.
+        mover = QueueMover(board, Placement(spread_queue=int(cluster.router_options.get("spread_queue", SPREAD_QUEUE))))\
+            if cluster.router == "loraplex" else None
+        self.client = ClusterClient(replicas, board, multiplexed=cluster.multiplexed, resolver=resolver, mover=mover)
         app = build_app(gateway, client=self.client, admin=ClusterAdmin(resolver, self.client))  # type: ignore[arg-type]
         add_routes(app, self.client)
         self._runner, host, port = await listen(app, "127.0.0.1", 0)

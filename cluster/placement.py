@@ -4,7 +4,8 @@ per replica, plus the cost of bringing the request's adapter there, with ties to
 adapter was last sent to, and an adapter new to the cluster goes to the replica that is home to
 the fewest adapters (as Serve's multiplexing does), so the working set spreads evenly. Cross-replica balancing as dLoRA's proactive dispatch: once some
 replica has `spread_queue` or more of the adapter's requests queued while another replica is
-idle, affinity is off for that adapter and the policy alone places it, so a hot adapter spreads.
+idle, affinity is off for that adapter and the policy alone places it, so a hot adapter spreads,
+and the ingress moves requests still queued there (`should_move`, remote.QueueMover).
 Pure: no Ray here, the request router (router.py) feeds it.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from loraplex.daemon.router import EngineRequest, EngineState, RankAwareRouter, RequestInfo
 
+SPREAD_QUEUE = 4  # queued requests of one adapter on a replica past which it spreads (and queued ones move)
 # (adapter, rank, work tokens) of a request routed to a replica after its latest report
 Sent = tuple[str | None, int, int]
 
@@ -63,7 +65,7 @@ class Placement:
     policy: RankAwareRouter = field(default_factory=RankAwareRouter)
     miss_ms: float = 20.0
     host_miss_ms: float = 5.0
-    spread_queue: int = 4
+    spread_queue: int = SPREAD_QUEUE
 
     def __post_init__(self) -> None:
         if not (self.miss_ms >= 0 and self.host_miss_ms >= 0 and self.spread_queue >= 1):
@@ -95,6 +97,18 @@ class Placement:
             return False
         deepest = max((sum(r.adapter == adapter for r in e.waiting) for e in engines), default=0)
         return deepest >= self.spread_queue and any(e.healthy and e.num_requests == 0 for e in engines)
+
+    def should_move(self, adapter: str | None, on: str, routing: Mapping[str, Mapping[str, Any]]) -> bool:
+        """dLoRA's migration of queued requests: a request still waiting on replica `on` (no token
+        yet) moves when `spread_queue` or more of its adapter's requests wait there (itself included)
+        while another healthy replica has none at all. `routing`: replica -> its routing stats."""
+        here = routing.get(on)
+        if not adapter or here is None:
+            return False
+        queued = sum(1 for row in here.get("waiting") or () if row and row[0] == adapter)
+        return queued >= self.spread_queue and any(
+            key != on and stats.get("healthy", True) and not stats.get("running") and not stats.get("waiting")
+            for key, stats in routing.items())
 
     def adapter_ms(self, adapter: str | None, replica: ReplicaView) -> float:
         tier = replica.adapter_tier(adapter)

@@ -5,6 +5,8 @@ handles, so the request router places each generate.
 A stream that fails before its first chunk because its replica or the replica's daemon died is
 sent again (another replica may take it; nothing was shown to the client yet). One that fails
 after its first chunk ends with a clear `unavailable` error, never silently and never twice.
+Likewise, a request still queued on a replica behind its adapter's other requests while another
+replica idles is taken back and sent again, once (dLoRA's migration; placement.should_move).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from loraplex.cluster import wire
+from loraplex.cluster.placement import Placement
 from loraplex.cluster.resolver import AdapterResolver
 from loraplex.cluster.stats import aggregate
 from loraplex.ipc.client_types import AdapterInfo, GenerateResult, StreamChunk
@@ -24,6 +27,8 @@ log = logging.getLogger("loraplex.cluster")
 RETRIES_BEFORE_FIRST_CHUNK = 2
 # A replica that reports these before its first chunk lost its daemon; another replica may serve.
 _RETRYABLE = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.ENGINE_FAILED, ErrorCode.SHUTTING_DOWN})
+MOVE_CHECK_S = 0.5  # how often a request queued on a replica asks whether to move
+MAX_MOVES = 1  # a request moves at most once: two replicas cannot pass it back and forth
 
 
 def _unavailable(what: str, exc: BaseException) -> LoraplexError:
@@ -43,13 +48,45 @@ async def _call(response: Any, timeout: float | None, what: str) -> Any:
         raise _unavailable(f"{what} failed in the cluster", exc) from None
 
 
+class _Moved(Exception):
+    """The request left the replica it was queued on (QueueMover said so)."""
+
+
+class QueueMover:
+    """Whether a request queued on a replica should move (Placement.should_move), from the replicas'
+    routing stats on the board, read at most once per MOVE_CHECK_S for all the streams asking."""
+
+    def __init__(self, board: Any, placement: Placement) -> None:
+        self._board = board
+        self._placement = placement
+        self._routing: dict[str, Any] = {}
+        self._read_at = float("-inf")
+        self._lock = asyncio.Lock()
+
+    async def should_move(self, adapter: str | None, replica: str) -> bool:
+        async with self._lock:
+            if time.monotonic() - self._read_at >= MOVE_CHECK_S:
+                self._read_at = time.monotonic()
+                try:
+                    reports = await _call(self._board.replicas.remote(), 4 * MOVE_CHECK_S, "reading the replicas' stats")
+                    self._routing = {name: routing for name, (_, routing) in reports.items()}
+                except LoraplexError as exc:  # no move without fresh stats
+                    log.debug("no queue check: %s", exc)
+                    self._routing = {}
+        return self._placement.should_move(adapter, replica, self._routing)
+
+
 class ClusterStream:
     """As AsyncStream: async iterator of StreamChunk, `.result` once it ended, `aclose()`."""
 
     def __init__(self, replicas: Any, payload: dict[str, Any], model_id: str, timeout: float | None,
-                 resolver: AdapterResolver | None = None) -> None:
+                 resolver: AdapterResolver | None = None, mover: QueueMover | None = None) -> None:
         self._replicas = replicas
         self._resolver = resolver
+        self._mover = mover
+        self._replica: str | None = None  # where the request is queued (its `accepted` event)
+        self._moves = 0
+        self._next: asyncio.Future[Any] | None = None  # the replica's next event, awaited across checks
         self._payload = payload
         self._model_id = model_id
         self._deadline = None if timeout is None else time.monotonic() + timeout
@@ -85,14 +122,23 @@ class ClusterStream:
                 event = await self._next_event()
                 if "error" in event:
                     raise wire.to_error(event["error"] or {})
+            except _Moved:
+                log.info("a request queued on %s behind its adapter's others moves while a replica idles",
+                         self._replica)
+                self._moves += 1
+                self._abandon()
+                continue
             except LoraplexError as exc:
                 if self._chunks == 0 and exc.code in _RETRYABLE and self._retries < RETRIES_BEFORE_FIRST_CHUNK:
                     log.warning("a replica failed before the first token (%s); sending the request again", exc)
                     self._retries += 1
-                    self._gen = None
+                    self._abandon()
                     continue
                 self._finished = True
                 raise
+            if "accepted" in event:
+                self._replica = str(event["accepted"])
+                continue
             if "chunk" in event:
                 self._chunks += 1
                 return wire.to_chunk(event["chunk"])
@@ -102,34 +148,63 @@ class ClusterStream:
             self.result = wire.to_result(event["result"])
             raise StopAsyncIteration
 
+    def _movable(self) -> bool:
+        return self._mover is not None and self._replica is not None and self._chunks == 0 \
+            and self._moves < MAX_MOVES
+
     async def _next_event(self) -> dict[str, Any]:
-        remaining = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+        """The replica's next event; while the request waits for its first token on a replica it may
+        leave, the mover is asked every MOVE_CHECK_S (raises _Moved when it should go)."""
+        if self._next is None:
+            self._next = asyncio.ensure_future(self._gen.__anext__())
         try:
-            return await asyncio.wait_for(self._gen.__anext__(), remaining)
+            while True:
+                remaining = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+                check = self._movable() and (remaining is None or remaining > MOVE_CHECK_S)
+                done, _ = await asyncio.wait({self._next}, timeout=MOVE_CHECK_S if check else remaining)
+                if done:
+                    break
+                if not check:
+                    raise asyncio.TimeoutError
+                if await self._mover.should_move(self._payload.get("adapter"), self._replica):  # type: ignore[union-attr]
+                    raise _Moved
+            event, self._next = self._next, None
+            return event.result()
         except StopAsyncIteration:
             raise LoraplexError(ErrorCode.UNAVAILABLE, "the replica's stream ended without a result") from None
         except asyncio.TimeoutError:
-            self._gen.cancel()
+            self._abandon()
             raise LoraplexError(ErrorCode.TIMEOUT, f"the request timed out after {self._timeout:g} s") from None
-        except LoraplexError:
+        except (LoraplexError, _Moved):
             raise
         except Exception as exc:  # the replica actor died or Serve cancelled the call
             where = "before its first token" if self._chunks == 0 else f"after {self._chunks} chunks"
             raise _unavailable(f"the replica serving the request failed {where}", exc) from None
 
+    def _abandon(self) -> None:
+        """Stop waiting on the current replica: Serve cancels its generator, which cancels on its daemon."""
+        if self._next is not None:
+            self._next.cancel()
+            self._next = None
+        if self._gen is not None:
+            self._gen.cancel()
+            self._gen = None
+        self._replica = None
+
     async def aclose(self) -> None:
         was_open, self._finished = not self._finished, True
-        if was_open and self._gen is not None:
-            self._gen.cancel()  # Serve cancels the replica's generator, which cancels on its daemon
+        if was_open:
+            self._abandon()
 
 
 class ClusterClient:
     """The AsyncClient calls the gateway makes, against the replicas deployment and the board."""
 
     def __init__(self, replicas: Any, board: Any, *, multiplexed: bool, resolver: AdapterResolver | None = None,
-                 name: str = "ray-serve") -> None:
+                 name: str = "ray-serve", mover: QueueMover | None = None) -> None:
         self._replicas = replicas
         self._board = board
+        self._mover = mover
         self.resolver = resolver
         self._multiplexed = multiplexed
         self.endpoint = name
@@ -138,7 +213,7 @@ class ClusterClient:
                **options: Any) -> ClusterStream:
         payload = wire.request(prompt, adapter, {**options, "timeout": timeout})
         model_id = adapter if (adapter and self._multiplexed) else ""
-        return ClusterStream(self._replicas, payload, model_id, timeout, self.resolver)
+        return ClusterStream(self._replicas, payload, model_id, timeout, self.resolver, self._mover)
 
     async def adapters(self, *, timeout: float | None = 10.0) -> list[AdapterInfo]:
         entries = await _call(self._replicas.adapters.remote(), timeout, "listing adapters")

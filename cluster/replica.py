@@ -63,7 +63,8 @@ class LoraplexReplica:
         return adapter  # the daemon resolves the adapter itself; this only tells Serve where it is
 
     async def generate(self, payload: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """The daemon's streamed generate as wire events: chunks, then one result or one error."""
+        """The daemon's streamed generate as wire events: accepted, chunks, then one result or one error."""
+        yield wire.accepted_event(self.replica_id)
         adapter = payload.get("adapter")
         options = dict(payload.get("options") or {})
         if self.config.router == "multiplex" and adapter:

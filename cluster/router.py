@@ -16,7 +16,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from loraplex.cluster import wire
-from loraplex.cluster.placement import Placement, ReplicaView, Sent, rank_of
+from loraplex.cluster.placement import SPREAD_QUEUE, Placement, ReplicaView, Sent, rank_of
 from loraplex.daemon.router import PerfProfile, RankAwareRouter, RequestInfo
 
 MAX_SENT_PER_REPLICA = 4096
@@ -25,7 +25,7 @@ MAX_TRACKED = 100_000  # adapters' homes, and requests between their placement a
 
 class LoraplexRequestRouter(RequestRouter):
     def initialize_state(self, kernel: str = "mbgmv", slo_ms: float = 36.0, miss_ms: float = 20.0,
-                         host_miss_ms: float = 5.0, spread_queue: int = 4, profile: Mapping[str, Any] | None = None,
+                         host_miss_ms: float = 5.0, spread_queue: int = SPREAD_QUEUE, profile: Mapping[str, Any] | None = None,
                          **_: Any) -> None:
         policy = RankAwareRouter(PerfProfile.from_dict(profile) if profile else None, kernel=kernel,  # type: ignore[arg-type]
                                  slo_ms=slo_ms)

@@ -15,7 +15,6 @@ from loraplex.ipc.protocol import TopLogprobs
 from loraplex.ipc.errors import ErrorCode, LoraplexError
 
 
-
 def request(prompt: str | Sequence[int], adapter: str | None, options: Mapping[str, Any]) -> dict[str, Any]:
     """One generate for a replica; raises ValueError for an unknown option and ProtocolError for
     a field the daemon would refuse (as AsyncClient.stream does)."""
@@ -36,6 +35,11 @@ def prompt_len(payload: Mapping[str, Any]) -> int:
     if isinstance(prompt, str):
         return len(prompt) // 4 + 1
     return len(prompt) if isinstance(prompt, list) else 0
+
+
+def accepted_event(replica: str) -> dict[str, Any]:
+    """A replica's first event: the request is queued there (the ingress may move it until its first token)."""
+    return {"accepted": replica}
 
 
 def chunk_event(chunk: StreamChunk) -> dict[str, Any]:

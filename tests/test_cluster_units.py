@@ -155,20 +155,29 @@ def test_the_cluster_package_never_imports_torch() -> None:
 
 
 class _FakeGen:
+    """Replays events; HANG: waits until cancelled (a request queued behind others)."""
+
     def __init__(self, events: list) -> None:
         self._events = list(events)
         self.cancelled = False
 
     async def __anext__(self):
+        import asyncio
+
         if not self._events:
             raise StopAsyncIteration
         item = self._events.pop(0)
+        if item is HANG:
+            await asyncio.Event().wait()
         if isinstance(item, BaseException):
             raise item
         return item
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+HANG = object()
 
 
 class _FakeReplicas:
@@ -280,3 +289,53 @@ def test_the_serve_router_counts_a_placement_when_it_makes_it() -> None:
     for n in range(21, 30):
         router.on_request_completed(z_home.replica_id, f"i{n - 1}")
         assert asyncio.run(first(n, "z")) is z_home
+
+
+def test_a_queued_request_moves_once_while_another_replica_idles(monkeypatch) -> None:
+    """dLoRA's migration at the ingress: a request that has no token yet on a replica with a deep
+    queue of its adapter, while another replica idles, is taken back (its generator cancelled) and
+    sent again, at most once; one whose first token came never moves."""
+    import asyncio
+
+    from loraplex.cluster import remote, wire
+    from loraplex.cluster.remote import ClusterStream
+
+    monkeypatch.setattr(remote, "MOVE_CHECK_S", 0.01)
+    rng = random.Random()
+    deep = rng.randrange(3, 8)
+    placement = Placement(spread_queue=deep)
+    queued = {"a": _stats(waiting=[["hot", 16, 10]] * deep), "b": _stats()}
+    assert placement.should_move("hot", "a", queued)
+    assert not placement.should_move("cold", "a", queued) and not placement.should_move(None, "a", queued)
+    assert not placement.should_move("hot", "a", {**queued, "b": _stats(running=[["x", 8, 5]])})
+    assert not placement.should_move("hot", "a", {**queued, "b": _stats(healthy=False)})
+    assert not placement.should_move("hot", "a", {"a": _stats(waiting=[["hot", 16, 10]] * (deep - 1)), "b": _stats()})
+
+    class Mover:
+        asked: list = []
+
+        async def should_move(self, adapter, replica):
+            self.asked.append((adapter, replica))
+            return placement.should_move(adapter, replica, queued)
+
+    chunk = wire.chunk_event(StreamChunk("r", [7], "a", 0))
+    done = wire.result_event(GenerateResult("r", "a", [7], "length", {}, {}))
+    # queued on a: moves, lands on a again (the router chose it): no second move, it waits its turn
+    replicas = _FakeReplicas([wire.accepted_event("a"), HANG], [wire.accepted_event("a"), chunk, done])
+
+    async def run(stream):
+        texts = [c.text async for c in stream]
+        return texts, stream.result
+
+    texts, result = asyncio.run(run(ClusterStream(replicas, wire.request("p", "hot", {}), "", None, mover=Mover())))
+    assert texts == ["a"] and result is not None
+    assert len(replicas.gens) == 2 and replicas.gens[0].cancelled and not replicas.gens[1].cancelled
+    # once a token came, or for a replica the mover does not flag, the stream stays
+    replicas = _FakeReplicas([wire.accepted_event("b"), chunk, done])
+    texts, _ = asyncio.run(run(ClusterStream(replicas, wire.request("p", "hot", {}), "", None, mover=Mover())))
+    assert texts == ["a"] and len(replicas.gens) == 1
+    # a stream still waiting when its deadline passes times out, moving or not
+    replicas = _FakeReplicas([wire.accepted_event("b"), HANG])
+    with pytest.raises(LoraplexError) as caught:
+        asyncio.run(run(ClusterStream(replicas, wire.request("p", "hot", {}), "", 0.2, mover=Mover())))
+    assert caught.value.code is ErrorCode.TIMEOUT and replicas.gens[0].cancelled
