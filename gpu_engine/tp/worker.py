@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from loraplex.contracts.engine_spec import EngineSpec
 from loraplex.gpu_engine.engine_orders import EngineOrders
+from loraplex.gpu_engine.malloc_arenas import bound_malloc_arenas
 from loraplex.gpu_engine.runtime import build_runtime, resolve_spec
 from loraplex.gpu_engine.tp.group import HOST, START_TIMEOUT_S, RankLink, join
 from loraplex.ipc.protocol import EngineFailure, EngineShutdown
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != args.parent_pid:  # rank 0 died before the death signal was armed
         return 1
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops rank 0, then us
+    bound_malloc_arenas()
     spec = EngineSpec.from_json(args.spec)
     store = dist.TCPStore(HOST, args.store_port, args.world_size, False,
                           timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
