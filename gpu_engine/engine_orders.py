@@ -61,17 +61,21 @@ class EngineOrders:
             return self.unload(msg.name)
         return EngineFailure(code=ErrorCode.UNKNOWN_TYPE.value, message=f"engine cannot handle {msg.TYPE}")
 
-    def settle(self, msg: Message, reply: Message, failed_anywhere: bool, rank: int) -> Message:
-        """After every rank ran `msg`: when it failed on some rank, undo what stays apart (an
-        adapter loaded on some ranks only is dropped everywhere) and answer with a failure."""
-        if not failed_anywhere or isinstance(reply, EngineFailure):
+    def settle(self, msg: Message, reply: Message, failures: int, rank: int, world_size: int) -> Message:
+        """After every rank ran `msg`, `failures` of them failing: where some failed and some did
+        not, undo what now differs (an adapter loaded on some ranks only is dropped on all; a
+        failure on every rank left every rank as it was) and answer with a failure."""
+        if failures == 0 or (failures == world_size and isinstance(reply, EngineFailure)):
             return reply
         if isinstance(msg, EngineLoadAdapter):
             self.unload(msg.name)
+        if isinstance(reply, EngineFailure):
+            return reply
         subject = msg.name if isinstance(msg, EngineLoadAdapter) else \
             str(msg.plan.step_id) if isinstance(msg, EngineStep) else ""
         return EngineFailure(code=ErrorCode.ENGINE_FAILED.value, subject=subject,
-                             message=f"{msg.TYPE} failed on another tensor-parallel rank than {rank} (see its log)")
+                             message=f"{msg.TYPE} failed on {failures} of {world_size} tensor-parallel ranks, "
+                                     f"not on rank {rank} (see the others' log)")
 
     def step(self, plan: StepPlan) -> Message:
         executor = self.runtime.executor

@@ -160,10 +160,16 @@ class EngineServer:
         finally:
             pump.stop()
 
-    def close(self) -> None:
+    def close(self, clean: bool) -> None:
+        """clean: the daemon asked us to stop (the other ranks wait for an order); else the group
+        may be mid-collective, and its other ranks are killed instead."""
         self.orders.close()
-        if self.group is not None:
+        if self.group is None:
+            return
+        if clean:
             self.group.close()
+        else:
+            self.group.kill()
 
     def prepare(self, msg: Message, nbytes: int = 0) -> object:
         """On the pump's thread: a step delta expanded against the persistent batch (or the
@@ -219,7 +225,8 @@ class EngineServer:
             return self.orders.run(order)
         self.group.share(order)
         reply = self.orders.run(order)
-        return self.orders.settle(order, reply, self.group.any_failed(isinstance(reply, EngineFailure)), 0)
+        failures = self.group.control.failures(isinstance(reply, EngineFailure))
+        return self.orders.settle(order, reply, failures, 0, self.group.world_size)
 
 
 def _start(spec: EngineSpec) -> tuple[EngineRuntime, CpuAssistResources | None, RankGroup | None]:
@@ -237,7 +244,7 @@ def _start(spec: EngineSpec) -> tuple[EngineRuntime, CpuAssistResources | None, 
         resources = CpuAssistResources(runtime) if runtime.spec.adapter_load_mode == "cpu_assist" else None
     except BaseException:
         if group is not None:
-            group.close()
+            group.kill()  # they may be building their runtimes: no order would reach them
         raise
     return runtime, resources, group
 
@@ -246,10 +253,12 @@ def _serve(state: tuple[EngineRuntime, CpuAssistResources | None, RankGroup | No
            demo: bool) -> None:
     runtime, resources, group = state
     server = EngineServer(runtime, sock, demo=demo, resources=resources, group=group)
+    clean = False
     try:
         server.serve()
+        clean = True
     finally:
-        server.close()
+        server.close(clean)
         if resources is not None:
             resources.close()
 

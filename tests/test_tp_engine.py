@@ -129,6 +129,32 @@ def test_tp2_engine_orders_equal_one_device(demo, adapters, tmp_path):
     assert torch.equal(got[1][0], reference[2][0]), "merged mode changed the tokens of the unmerged adapter"
 
 
+def test_ranks_that_disagree_on_a_load_drop_the_adapter_everywhere(demo, adapters, tmp_path):
+    """settle: a load that failed on some ranks only leaves no rank holding the adapter (their pools
+    would differ); one that failed on all leaves every rank as it was; a step failed elsewhere fails."""
+    from loraplex.gpu_engine.engine_orders import EngineOrders
+    from loraplex.gpu_engine.runtime import build_runtime
+    from loraplex.ipc.protocol import EngineAdapterLoaded, EngineFailure, EngineLoadAdapter, EngineStep
+    from loraplex.ipc.engine_plan import StepPlan
+
+    orders = EngineOrders(build_runtime(EngineSpec(model=str(demo.model_dir), device="cpu", num_pages=64)))
+    host = orders.runtime.executor.host
+    load = EngineLoadAdapter(name="odd-r5", path=adapters["odd-r5"])
+    loaded = orders.run(load)
+    assert isinstance(loaded, EngineAdapterLoaded)
+    assert orders.settle(load, loaded, 0, 0, 2) is loaded and "odd-r5" in host
+    refused = EngineFailure(code="invalid_adapter", message="x", subject="odd-r5")
+    assert orders.settle(load, refused, 2, 0, 2) is refused and "odd-r5" in host  # all failed alike
+    reply = orders.settle(load, loaded, 1, 0, 2)
+    assert isinstance(reply, EngineFailure) and "failed on 1 of 2 tensor-parallel ranks" in reply.message
+    assert "odd-r5" not in host
+    orders.run(load)
+    assert orders.settle(load, refused, 1, 1, 2) is refused and "odd-r5" not in host  # this rank's own copy goes too
+    step = EngineStep(plan=StepPlan(7, []))
+    assert isinstance(orders.settle(step, orders.run(step), 1, 0, 2), EngineFailure)
+    orders.close()
+
+
 def test_a_model_that_cannot_split_fails_the_engine_start(demo, tmp_path):
     """8 attention heads do not split 3 ways: the engine refuses at start, before any rank runs,
     with the plan's reason as its fatal start failure."""

@@ -82,23 +82,18 @@ def single_device(case: EngineCase) -> tuple[torch.Tensor, torch.Tensor]:
         orders.close()
 
 
-def rank_main(rank: int, world_size: int, port: int, cases_json: str, out_dir: str) -> None:
+def rank_main(rank: int, world_size: int, store_file: str, cases_json: str, out_dir: str) -> None:
     """One spawned rank: rank 0 drives the cases one after the other (the same model), the others
     serve what it shares."""
-    import datetime
-
-    import torch.distributed as dist
-
     from loraplex.gpu_engine.engine_orders import EngineOrders
     from loraplex.gpu_engine.runtime import build_runtime
-    from loraplex.gpu_engine.tp.group import HOST, join
+    from loraplex.gpu_engine.tp.group import join, open_store
     from loraplex.gpu_engine.tp.worker import serve
     from loraplex.ipc.protocol import EngineShutdown
 
     cases = [EngineCase(**c) for c in json.loads(cases_json)]
     case = cases[0]
-    store = dist.TCPStore(HOST, port, world_size, rank == 0, timeout=datetime.timedelta(seconds=60))
-    link = join(rank, world_size, store, "cpu")
+    link = join(rank, world_size, open_store(store_file, world_size), "cpu")
     orders = EngineOrders(build_runtime(case.spec(world_size), link=link))
     try:
         if rank:
@@ -109,7 +104,7 @@ def rank_main(rank: int, world_size: int, port: int, cases_json: str, out_dir: s
         def run(order):
             control.share(order)
             reply = orders.run(order)
-            return orders.settle(order, reply, control.any_failed(isinstance(reply, EngineFailure)), 0)
+            return orders.settle(order, reply, control.failures(isinstance(reply, EngineFailure)), 0, world_size)
 
         results = {}
         for i, one in enumerate(cases):
@@ -126,9 +121,8 @@ def spawn_engine(world_size: int, cases: list[EngineCase], out_dir: Path) -> lis
     import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
-    from loraplex.gpu_engine.tp.comm import free_port
-
     cases_json = json.dumps([asdict(c) for c in cases])
-    mp.spawn(rank_main, args=(world_size, free_port(), cases_json, str(out_dir)), nprocs=world_size, join=True)
+    store_file = str(out_dir / "rendezvous")
+    mp.spawn(rank_main, args=(world_size, store_file, cases_json, str(out_dir)), nprocs=world_size, join=True)
     result = load_file(str(out_dir / "result.safetensors"))
     return [(result[f"tokens.{i}"], result[f"logprobs.{i}"]) for i in range(len(cases))]

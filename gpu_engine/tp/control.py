@@ -50,11 +50,11 @@ class ControlChannel:
         data = self._broadcast(torch.empty(n, dtype=torch.uint8))
         return decode(data.numpy().tobytes(), self.limits)
 
-    def any_failed(self, failed: bool) -> bool:
-        """Whether the order just run failed on any rank (every rank learns the same answer)."""
-        flag = torch.tensor([int(failed)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+    def failures(self, failed: bool) -> int:
+        """On how many ranks the order just run failed (every rank learns the same count)."""
+        count = torch.tensor([int(failed)], dtype=torch.int64)
+        dist.all_reduce(count, group=self.group)
+        return int(count.item())
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (say, the pages every rank's memory can hold)."""

@@ -2,11 +2,12 @@
 the daemon started) starts ranks 1..N-1 as its own children, all join one process
 group, and a rank that dies takes the whole engine down.
 
-Rendezvous: rank 0 opens a TCPStore on a loopback port the kernel picks (port 0:
-nothing to race for) before it spawns the others, and hands them the port on their
-command line with the same engine spec. The model's collectives run in the default
-group (gloo on CPU, NCCL on CUDA) with a short timeout; orders travel over a gloo
-control group (gpu_engine/tp/control.py).
+Rendezvous: a FileStore in a private directory rank 0 creates (mode 0700: no port to
+race for, none another user or host could reach; torch's TCPStore listens on every
+interface) and removes once every rank has joined; the others get its path on their
+command line with the engine spec. The model's collectives run in the default group
+(gloo on CPU, NCCL on CUDA) with a short timeout, their sockets on loopback; orders
+travel over a gloo control group (gpu_engine/tp/control.py).
 
 Dying together: every other rank dies with rank 0 (PDEATHSIG); rank 0 watches its
 children's pidfds and exits at once when one ends unasked, so the daemon's link sees
@@ -19,8 +20,10 @@ import datetime
 import logging
 import os
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 
@@ -35,7 +38,7 @@ from loraplex.ipc.shm import unlink_owned
 
 log = logging.getLogger("loraplex-engine")
 WORKER_MODULE = "loraplex.gpu_engine.tp.worker"
-HOST = "127.0.0.1"
+LOOPBACK_IFNAME = "lo"
 MODEL_TIMEOUT_S = 30.0  # one collective of a step: a rank silent this long is hung (the backstop)
 START_TIMEOUT_S = 180.0  # every rank joined: includes their imports on a loaded host
 RANK_DIED_EXIT = 3  # rank 0's exit status when another rank died under it
@@ -49,13 +52,13 @@ class RankArgs:
     spec: EngineSpec
     rank: int
     world_size: int
-    store_port: int
+    store_file: str
     parent_pid: int
     demo: bool  # serving the built-in demo model: its adapters are allowed too
 
     def argv(self) -> list[str]:
         return [sys.executable, "-m", WORKER_MODULE, "--spec", self.spec.to_json(), "--rank", str(self.rank),
-                "--world-size", str(self.world_size), "--store-port", str(self.store_port),
+                "--world-size", str(self.world_size), "--store-file", self.store_file,
                 "--parent-pid", str(self.parent_pid)] + (["--demo"] if self.demo else [])
 
 
@@ -70,6 +73,10 @@ class RankLink:
 def join(rank: int, world_size: int, store: dist.Store, device: str) -> RankLink:
     """Join the group (every rank; `device`: this rank's, resolved): the model's group (NCCL on
     CUDA, gloo on CPU) and the control channel."""
+    # Ranks of one engine share a host: keep gloo's pair sockets and NCCL's bootstrap on loopback
+    # (by default they bind the interface the hostname resolves to, which may face the network).
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(var, LOOPBACK_IFNAME)
     if device.startswith("cuda"):
         backend = "nccl"
         torch.cuda.set_device(torch.device(device))
@@ -79,7 +86,16 @@ def join(rank: int, world_size: int, store: dist.Store, device: str) -> RankLink
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=MODEL_TIMEOUT_S))
     comm = TpComm(rank, world_size, dist.group.WORLD)
-    return RankLink(comm, ControlChannel.create(rank, world_size))
+    control = ControlChannel.create(rank, world_size)
+    control.min_int(0)  # every rank has made every group: the store is not needed again
+    return RankLink(comm, control)
+
+
+def open_store(path: str, world_size: int) -> dist.Store:
+    """The rendezvous store at `path` (rank 0 made its directory), waiting START_TIMEOUT_S for the ranks."""
+    store = dist.FileStore(path, world_size)
+    store.set_timeout(datetime.timedelta(seconds=START_TIMEOUT_S))
+    return store
 
 
 class RankGroup:
@@ -97,13 +113,14 @@ class RankGroup:
         """Start ranks 1..N-1 (children of this process), join them, and watch them. spec: resolved
         for rank 0 (runtime.resolve_spec); each rank resolves its own device from it."""
         n = spec.tensor_parallel_size
-        store = dist.TCPStore(HOST, 0, n, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
-                              wait_for_workers=False)  # they connect once spawned, below
+        private = tempfile.mkdtemp(prefix="loraplex-tp-")  # 0700
+        path = os.path.join(private, "rendezvous")
         procs: list[subprocess.Popen] = []
         watcher = None
         try:
+            store = open_store(path, n)
             for rank in range(1, n):
-                args = RankArgs(spec, rank, n, store.port, os.getpid(), demo)
+                args = RankArgs(spec, rank, n, path, os.getpid(), demo)
                 procs.append(subprocess.Popen(args.argv(), stdin=subprocess.DEVNULL))
             watcher = _Watcher(procs)  # watching already: a rank dying before it joined ends the start too
             return cls(procs, watcher, join(0, n, store, spec.device))
@@ -113,6 +130,8 @@ class RankGroup:
             for proc in procs:
                 proc.kill()
             raise
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
 
     @property
     def pids(self) -> list[int]:
@@ -121,8 +140,13 @@ class RankGroup:
     def share(self, msg: Message) -> None:
         self.control.share(msg)
 
-    def any_failed(self, failed: bool) -> bool:
-        return self.control.any_failed(failed)
+    def kill(self) -> None:
+        """End the other ranks at once (a failed start, a broken group): they own nothing to clean up."""
+        self.watcher.stopping.set()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
 
     def close(self) -> None:
         """Tell the other ranks to exit and wait for them (a clean stop: not a death)."""

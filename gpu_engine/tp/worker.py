@@ -11,19 +11,16 @@ out) makes it exit non-zero, which rank 0 notices and follows.
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import signal
 import sys
 
-import torch.distributed as dist
-
 from loraplex.contracts.engine_spec import EngineSpec
 from loraplex.gpu_engine.engine_orders import EngineOrders
 from loraplex.gpu_engine.malloc_arenas import bound_malloc_arenas
 from loraplex.gpu_engine.runtime import build_runtime, resolve_spec
-from loraplex.gpu_engine.tp.group import HOST, START_TIMEOUT_S, RankLink, join
+from loraplex.gpu_engine.tp.group import RankLink, join, open_store
 from loraplex.ipc.protocol import EngineFailure, EngineShutdown
 from loraplex.lifetime import die_with_parent
 
@@ -38,7 +35,8 @@ def serve(orders: EngineOrders, link: RankLink) -> None:
         if isinstance(msg, EngineShutdown):
             return
         reply = orders.run(msg)
-        orders.settle(msg, reply, control.any_failed(isinstance(reply, EngineFailure)), control.rank)
+        orders.settle(msg, reply, control.failures(isinstance(reply, EngineFailure)), control.rank,
+                      control.world_size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True, help="the EngineSpec as rank 0 resolved it (JSON)")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--store-port", type=int, required=True, help="rank 0's rendezvous store on loopback")
+    parser.add_argument("--store-file", required=True, help="rank 0's rendezvous store (a file in its private dir)")
     parser.add_argument("--parent-pid", type=int, required=True, help="rank 0: this rank dies with it")
     parser.add_argument("--demo", action="store_true", help="the built-in demo model: its adapters are allowed")
     args = parser.parse_args(argv)
@@ -60,9 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops rank 0, then us
     bound_malloc_arenas()
     spec = EngineSpec.from_json(args.spec)
-    store = dist.TCPStore(HOST, args.store_port, args.world_size, False,
-                          timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
-    link = join(args.rank, args.world_size, store, resolve_spec(spec, args.rank).device)
+    link = join(args.rank, args.world_size, open_store(args.store_file, args.world_size),
+                resolve_spec(spec, args.rank).device)
     runtime = build_runtime(spec, link=link)
     demo_adapters: list[str] = []
     if args.demo:
