@@ -97,6 +97,10 @@ class ModelSettings:
     load_throttle_bytes_s: float | None = field(default=_ENGINE.load_throttle_bytes_s, metadata=_help(
         "Test-only: cap the adapter copy rate on CPU hosts so loads span many layers (one link that "
         "concurrent loads share, as on a GPU's copy stream).", "4e6"))
+    tensor_parallel_size: int = field(default=_ENGINE.tensor_parallel_size, metadata=_help(
+        "Split the model over this many rank processes (devices) per engine: Megatron-LM for the base "
+        "weights, S-LoRA for the adapters; gloo on CPU, NCCL on CUDA. Above 1: the torch LoRA backend, "
+        "and adapter_load_mode on_demand or cached (auto picks on_demand)."))
     cuda_graphs: bool = field(default=_ENGINE.cuda_graphs, metadata=_help(
         "Replay decode steps of up to scheduler.max_num_seqs rows as captured CUDA graphs (on CUDA with the "
         "triton LoRA backend; elsewhere decode runs eagerly)."))

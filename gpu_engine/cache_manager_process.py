@@ -14,7 +14,7 @@ import logging
 import os
 import traceback
 
-from loraplex.contracts.geometry import PageGeometry, plan_adapter_layout
+from loraplex.contracts.tensor_parallel import TensorParallelPlan
 from loraplex.contracts.engine_spec import EngineSpec
 from loraplex.errors import LoraplexRequestError
 from loraplex.gpu_engine.child_process import run_child
@@ -47,7 +47,9 @@ class CacheManager:
             raise ValueError("the daemon names the store segment (spec.host_store_segment)")
         self.spec = resolve_spec(spec)  # model dir and dtype resolved exactly as the engines resolve them
         self.config = ModelConfig.from_dir(self.spec.model or "")
-        self.geometry = PageGeometry.for_model(self.config.module_shapes(), self.config.kv_dim, self.spec.page_tokens)
+        # The engine's split (one rank when tensor_parallel_size is 1): its pages, hence the daemon's counts.
+        self.split = TensorParallelPlan.configured(self.config, self.spec.tensor_parallel_size)
+        self.geometry = self.split.geometry(self.spec.page_tokens)
         self.dtype = DTYPES[self.spec.dtype]
         self.roots = resolve_roots(self.spec.adapter_dirs)  # where adapter files may resolve
         # Never pinned here: this process has no CUDA context; each engine registers its own mapping.
@@ -81,7 +83,7 @@ class CacheManager:
         except OSError as exc:
             return EngineFailure(code=ErrorCode.INVALID_ADAPTER.value, message=str(exc), subject=name)
         shapes = self.config.module_shapes()
-        pages = plan_adapter_layout(self.geometry, shapes, adapter.spec.targets, adapter.spec.rank).num_pages
+        pages = self.split.adapter_layout(self.geometry, adapter.spec.targets, adapter.spec.rank).num_pages
         try:
             entry = self.store.put(adapter, shapes, self.config.num_layers)
         except StoreFull:

@@ -1,10 +1,15 @@
 """The engine process (`loraplex-engine`): a synchronous loop that executes
-the daemon's orders (step plans, adapter loads) over one DEALER socket.
+the daemon's orders (step plans, adapter loads) over one DEALER socket; what each
+order does is gpu_engine/engine_orders.py.
 
 It makes no policy decision. It dies with its parent (PDEATHSIG), names its
 role in its command line and process name, heartbeats to the daemon over an
 inherited pipe, and reports every failure it can survive as an
 `engine_failure` reply instead of exiting (out of memory: code `overloaded`).
+
+Tensor-parallel (spec.tensor_parallel_size N > 1): this process is rank 0; it starts
+ranks 1..N-1 (gpu_engine/tp/group.py), shares every order it runs with them (a step
+once expanded and fed, so every rank runs the same plan), and alone samples and replies.
 """
 from __future__ import annotations
 
@@ -12,24 +17,21 @@ import logging
 from dataclasses import dataclass
 import os
 import time
-import traceback
 
 import torch
 
-from loraplex.contracts.geometry import AdapterLayout
 from loraplex.contracts.engine_spec import EngineSpec
-from loraplex.errors import LoraplexRequestError
+from loraplex.contracts.tensor_parallel import TensorParallelPlan
 from loraplex.gpu_engine.child_process import run_child
+from loraplex.gpu_engine.engine_orders import EngineOrders
 from loraplex.gpu_engine.faults import install_faults
-from loraplex.gpu_engine.lora.peft_adapter import HostAdapter, load_peft_adapter
 from loraplex.gpu_engine.malloc_arenas import bound_malloc_arenas
-from loraplex.gpu_engine.runtime import EngineRuntime, build_runtime
-from loraplex.gpu_engine.store_reader import StoreReader
-from loraplex.ipc.adapter_files import allow_also, resolve_roots
+from loraplex.gpu_engine.model.config import ModelConfig
+from loraplex.gpu_engine.runtime import EngineRuntime, build_runtime, resolve_spec
+from loraplex.gpu_engine.tp.group import RankGroup
 from loraplex.ipc.engine_plan import StepPlan
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import (
-    EngineAdapterLoaded,
     EngineFailure,
     EngineHello,
     EngineLoadAdapter,
@@ -45,8 +47,6 @@ from loraplex.ipc.sockets import TypedSocket
 
 ROLE = "loraplex-engine"
 log = logging.getLogger(ROLE)
-# torch.OutOfMemoryError since 2.5; torch.cuda.OutOfMemoryError (its alias now) before.
-_OOM_ERRORS = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
 
 
 class CpuAssistResources:
@@ -99,13 +99,18 @@ def measure_link_bytes_per_s(runtime: EngineRuntime) -> float:
     return 3 * nbytes / (time.perf_counter() - started)
 
 
-def hello_for(runtime: EngineRuntime, demo: bool, resources: CpuAssistResources | None = None) -> EngineHello:
-    cfg = runtime.config
-    demo_adapters: dict[str, str] = {}
-    if demo:
-        from loraplex.gpu_engine.demo import builtin_demo
+def demo_adapter_dirs(demo: bool) -> dict[str, str]:
+    """The built-in demo's adapters (name -> directory) when serving it, else none."""
+    if not demo:
+        return {}
+    from loraplex.gpu_engine.demo import builtin_demo
 
-        demo_adapters = {name: str(path) for name, path in builtin_demo().adapters.items()}
+    return {name: str(path) for name, path in builtin_demo().adapters.items()}
+
+
+def hello_for(runtime: EngineRuntime, demo_adapters: dict[str, str],
+              resources: CpuAssistResources | None = None, group: RankGroup | None = None) -> EngineHello:
+    cfg = runtime.config
     return EngineHello(
         pid=os.getpid(), model_dir=str(runtime.model_dir), device=runtime.spec.device, dtype=runtime.spec.dtype,
         vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, kv_dim=cfg.kv_dim,
@@ -116,6 +121,7 @@ def hello_for(runtime: EngineRuntime, demo: bool, resources: CpuAssistResources 
         store_segment=(resources.store.name if resources.store else runtime.spec.host_store_segment)
         if resources else "",
         exchange=resources.assist.layout if resources else None,
+        tensor_parallel_size=runtime.executor.split.world_size, rank_pids=group.pids if group is not None else [],
         **runtime.executor.graph_info.as_dict(),
     )
 
@@ -134,25 +140,36 @@ def _refused_plan(step_id: int, exc: Exception) -> EngineFailure:
 
 class EngineServer:
     def __init__(self, runtime: EngineRuntime, sock: TypedSocket, *, demo: bool = False,
-                 resources: CpuAssistResources | None = None) -> None:
+                 resources: CpuAssistResources | None = None, group: RankGroup | None = None) -> None:
+        """group: the other ranks when this engine is tensor-parallel (this process is rank 0)."""
         self.runtime = runtime
         self.sock = sock
-        self.demo = demo
         self.resources = resources
-        self.stores = StoreReader(pin=runtime.executor.device.type == "cuda")  # the cache manager's store
-        self.roots = resolve_roots(runtime.spec.adapter_dirs)  # where adapter files may resolve (server.adapter_dirs)
+        self.group = group
+        self.demo_adapters = demo_adapter_dirs(demo)
+        self.orders = EngineOrders(runtime, store=resources.store if resources is not None else None,
+                                   demo_adapters=list(self.demo_adapters.values()))
         self.book = PlanBook()  # the persistent batch the daemon's step deltas refer to
 
     def serve(self) -> None:
-        hello = hello_for(self.runtime, self.demo, self.resources)
-        self.roots = allow_also(self.roots, hello.demo_adapters.values())  # the demo's own adapters are allowed
-        self.sock.send(hello)
+        self.sock.send(hello_for(self.runtime, self.demo_adapters, self.resources, self.group))
         # Orders are received and their plans expanded on the pump's thread while a step runs.
         pump = OrderPump(self.sock, self.prepare).start()
         try:
             pump.serve(self.begin, self.handle)
         finally:
             pump.stop()
+
+    def close(self, clean: bool) -> None:
+        """clean: the daemon asked us to stop (the other ranks wait for an order); else the group
+        may be mid-collective, and its other ranks are killed instead."""
+        self.orders.close()
+        if self.group is None:
+            return
+        if clean:
+            self.group.close()
+        else:
+            self.group.kill()
 
     def prepare(self, msg: Message, nbytes: int = 0) -> object:
         """On the pump's thread: a step delta expanded against the persistent batch (or the
@@ -178,15 +195,13 @@ class EngineServer:
         return msg
 
     def handle(self, msg: object) -> Message:
-        executor = self.runtime.executor
         if isinstance(msg, EngineStepDelta):  # not through the pump: expand and feed it here
             msg = self.begin(msg)
         if isinstance(msg, EngineFailure):  # a plan that could not be expanded or fed
             return msg
         if isinstance(msg, ExpandedStep):
-            plan = msg.plan
-            executor.sampler.forget(msg.dropped)  # finished, preempted or moved: their history goes
-            reply = self._step(plan)
+            self.runtime.executor.sampler.forget(msg.dropped)  # finished, preempted or moved: their history goes
+            reply = self._step(msg.plan)
             if isinstance(reply, EngineStepDone):
                 self.book.sampled(reply.result)
             else:
@@ -194,86 +209,56 @@ class EngineServer:
             return reply
         if isinstance(msg, EngineStep):
             return self._step(msg.plan)
-        if isinstance(msg, EngineLoadAdapter):
-            return self._load(msg)
-        if isinstance(msg, EngineUnloadAdapter):
-            executor.remove_host_adapter(msg.name)
-            self.stores.forget(msg.name)
-            if self.resources is not None and self.resources.store is not None:
-                self.resources.store.remove(msg.name)
-            return EngineAdapterLoaded(name=msg.name, rank=0, target_modules=[], num_pages=0, nbytes=0)
+        if isinstance(msg, (EngineLoadAdapter, EngineUnloadAdapter)):
+            return self._run(msg)
         return EngineFailure(code=ErrorCode.UNKNOWN_TYPE.value, message=f"engine cannot handle {msg.TYPE}")
 
     def _step(self, plan: StepPlan) -> Message:
-        executor = self.runtime.executor
-        try:
-            return EngineStepDone(result=executor.execute(plan))
-        except _OOM_ERRORS as exc:  # the daemon retries with a smaller batch; we stay up
-            log.error("step %d ran out of memory: %s", plan.step_id, exc)
-            if executor.device.type == "cuda":
-                torch.cuda.empty_cache()
-            return EngineFailure(code=ErrorCode.OVERLOADED.value, message=f"out of memory: {exc}",
-                                 subject=str(plan.step_id))
-        except Exception as exc:  # the daemon re-plans the step; the process keeps serving
-            log.error("step %d failed: %s", plan.step_id, traceback.format_exc())
-            return EngineFailure(code=ErrorCode.ENGINE_FAILED.value, message=f"step failed: {exc}",
-                                 subject=str(plan.step_id))
+        if self.group is None:  # one device: no order to share (and no message to build per step)
+            return self.orders.step(plan)
+        return self._run(EngineStep(plan=plan))  # expanded and fed: every rank runs the same plan
 
-    def _load(self, msg: EngineLoadAdapter) -> Message:
-        executor = self.runtime.executor
-        try:
-            if msg.store_entry is not None:  # weights already in the cache manager's store: view them
-                adapter = self.stores.adapter(msg.name, msg.path, msg.store_segment, msg.store_entry,
-                                              self.runtime.config, max_lora_rank=self.runtime.spec.max_lora_rank,
-                                              roots=self.roots)
-            else:
-                adapter = load_peft_adapter(msg.name, msg.path, self.runtime.config,
-                                            max_lora_rank=self.runtime.spec.max_lora_rank,
-                                            dtype=executor.pool.data.dtype, roots=self.roots)
-        except LoraplexRequestError as exc:
-            return EngineFailure(code=exc.code, message=str(exc), subject=msg.name)
-        except OSError as exc:
-            return EngineFailure(code=ErrorCode.INVALID_ADAPTER.value, message=str(exc), subject=msg.name)
-        if msg.store_entry is not None:
-            layout = (executor.rebind_host_adapter if msg.keep_resident else self._replace_host)(adapter)
-            self.stores.bind(msg.name, msg.store_segment)
-            return EngineAdapterLoaded(name=msg.name, rank=adapter.spec.rank, target_modules=list(adapter.spec.targets),
-                                       num_pages=layout.num_pages, nbytes=adapter.nbytes, store_entry=msg.store_entry,
-                                       scaling=adapter.spec.scaling)
-        executor.remove_host_adapter(msg.name)  # a reload replaces the old weights
-        self.stores.forget(msg.name)
-        entry = None
-        if self.resources is not None and self.resources.store is not None:
-            cfg = self.runtime.config
-            try:
-                entry = self.resources.store.put(adapter, cfg.module_shapes(), cfg.num_layers)
-            except RuntimeError as exc:
-                return EngineFailure(code=ErrorCode.OVERLOADED.value, message=str(exc), subject=msg.name)
-        layout = executor.add_host_adapter(adapter)
-        return EngineAdapterLoaded(name=msg.name, rank=adapter.spec.rank, target_modules=list(adapter.spec.targets),
-                                   num_pages=layout.num_pages, nbytes=adapter.nbytes, store_entry=entry,
-                                   scaling=adapter.spec.scaling)
-
-    def _replace_host(self, adapter: HostAdapter) -> AdapterLayout:
-        self.runtime.executor.remove_host_adapter(adapter.name)  # a reload replaces the old weights
-        return self.runtime.executor.add_host_adapter(adapter)
+    def _run(self, order: Message) -> Message:
+        """Run `order` here and, tensor-parallel, on every other rank: shared first, then the ranks
+        agree whether it succeeded everywhere (a failure on any rank is the engine's reply)."""
+        if self.group is None:
+            return self.orders.run(order)
+        self.group.share(order)
+        reply = self.orders.run(order)
+        failures = self.group.control.failures(isinstance(reply, EngineFailure))
+        return self.orders.settle(order, reply, failures, 0, self.group.world_size)
 
 
-def _start(spec: EngineSpec) -> tuple[EngineRuntime, CpuAssistResources | None]:
+def _start(spec: EngineSpec) -> tuple[EngineRuntime, CpuAssistResources | None, RankGroup | None]:
     bound_malloc_arenas()
-    runtime = build_runtime(spec)
-    install_faults(runtime.executor.model)  # test-only: no-op unless LORAPLEX_FAULTS is set
-    resources = CpuAssistResources(runtime) if runtime.spec.adapter_load_mode == "cpu_assist" else None
-    return runtime, resources
+    group = None
+    if spec.tensor_parallel_size > 1:
+        resolved = resolve_spec(spec)
+        # before any rank starts: a model that cannot split N ways is a start failure (ConfigError)
+        TensorParallelPlan.configured(ModelConfig.from_dir(resolved.model or ""), spec.tensor_parallel_size)
+        group = RankGroup.start(resolved, demo=spec.model is None)
+        spec = resolved
+    try:
+        runtime = build_runtime(spec, link=group.link if group is not None else None)
+        install_faults(runtime.executor.model)  # test-only: no-op unless LORAPLEX_FAULTS is set
+        resources = CpuAssistResources(runtime) if runtime.spec.adapter_load_mode == "cpu_assist" else None
+    except BaseException:
+        if group is not None:
+            group.kill()  # they may be building their runtimes: no order would reach them
+        raise
+    return runtime, resources, group
 
 
-def _serve(state: tuple[EngineRuntime, CpuAssistResources | None], sock: TypedSocket, demo: bool) -> None:
-    runtime, resources = state
-    server = EngineServer(runtime, sock, demo=demo, resources=resources)
+def _serve(state: tuple[EngineRuntime, CpuAssistResources | None, RankGroup | None], sock: TypedSocket,
+           demo: bool) -> None:
+    runtime, resources, group = state
+    server = EngineServer(runtime, sock, demo=demo, resources=resources, group=group)
+    clean = False
     try:
         server.serve()
+        clean = True
     finally:
-        server.stores.close()
+        server.close(clean)
         if resources is not None:
             resources.close()
 

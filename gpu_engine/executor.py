@@ -11,16 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.contracts.geometry import AdapterLayout, PageGeometry, plan_adapter_layout
+from loraplex.contracts.geometry import AdapterLayout, PageGeometry
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
-from loraplex.gpu_engine.lora.backend import make_lora_backend
 from loraplex.gpu_engine.lora.merge import MergeController
 from loraplex.gpu_engine.adapter_loader import AdapterLoader, GroupLoad
 from loraplex.gpu_engine.decode_graphs import DecodeGraphInfo, DecodeGraphRunner, graph_blocker
 from loraplex.gpu_engine.lora.torch_backend import LoraGroup, ResidentLora, resident_lora
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.batch import ForwardBatch, RowSpan
-from loraplex.gpu_engine.model.llama import LlamaModel
+from loraplex.gpu_engine.model_split import ModelSplit, WholeModel
 from loraplex.gpu_engine.model.weights import ModelWeights
 from loraplex.gpu_engine.pool import UnifiedPool
 from loraplex.gpu_engine.sampler import Sampler
@@ -29,29 +28,28 @@ from loraplex.ipc.engine_plan import RowPlan, StepPlan, StepResult
 
 @dataclass(slots=True)
 class HostEntry:
-    adapter: HostAdapter
+    adapter: HostAdapter  # whole (on a tensor-parallel rank too: the merge slices come from it)
     layout: AdapterLayout
+    pool_copy: HostAdapter  # what the pool pages hold: the adapter, or this rank's shard of it
 
 
 class Executor:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, geometry: PageGeometry, num_pages: int, *,
                  device: torch.device, dtype: torch.dtype, lora_backend: str = "torch",
-                 load_throttle_bytes_s: float | None = None) -> None:
+                 load_throttle_bytes_s: float | None = None, split: ModelSplit | None = None) -> None:
+        """weights: what `split` runs (a tensor-parallel rank's shard, split.shard_weights); split: how the
+        model is split over devices (default: one device)."""
         self.cfg = cfg
         self.device = device
         self.geometry = geometry
+        self.split = split or WholeModel(cfg)
         # One page past those the allocator hands out: padding rows of decode-graph buckets write
         # their K/V there, so no sequence's page is ever touched by them.
         self.pool = UnifiedPool(cfg.num_layers, num_pages + 1, geometry, device=device, dtype=dtype)
         self.scratch_page = num_pages
-        lora = make_lora_backend(lora_backend)
-        attention = None
-        if lora_backend == "triton":  # the Triton build runs paged attention through its kernels too
-            from loraplex.gpu_engine.model.attention_triton import TritonPagedAttention
-
-            attention = TritonPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
-        self.model = LlamaModel(cfg, weights, lora, attention=attention)
-        self.merge = MergeController(weights, lambda name: self.host[name].adapter)  # dLoRA merged mode
+        self.model = self.split.build_model(weights, lora_backend)
+        # dLoRA merged mode: each rank adds its slice of s·B·A into its own weight shard
+        self.merge = MergeController(weights, lambda name: self.split.merge_copy(self.host[name].adapter))
         self.host: dict[str, HostEntry] = {}
         self.resident: dict[str, ResidentLora] = {}
         self.loader = AdapterLoader(self.pool, throttle_bytes_per_s=load_throttle_bytes_s)
@@ -68,6 +66,8 @@ class Executor:
         enabled). pad_eager: route decode steps through the padded buckets even without graphs
         (the same buffers, run eagerly; for tests on CPU)."""
         reason = graph_blocker(self.model, self.device, enabled)
+        if self.split.world_size > 1:  # the buckets' static buffers know nothing of the collectives yet
+            reason, pad_eager = "tensor parallelism: decode runs eagerly (graphs of NCCL steps not built)", False
         self.graphs = None
         if not reason or pad_eager:
             self.graphs = DecodeGraphRunner(self.model, self.pool, max_batch=max_batch, max_model_len=max_model_len,
@@ -80,9 +80,8 @@ class Executor:
 
     # ---- host store -------------------------------------------------------------------------
     def add_host_adapter(self, adapter: HostAdapter) -> AdapterLayout:
-        layout = plan_adapter_layout(self.geometry, self.cfg.module_shapes(), adapter.spec.targets,
-                                     adapter.spec.rank)
-        self.host[adapter.name] = HostEntry(adapter, layout)
+        layout = self.split.plan.adapter_layout(self.geometry, adapter.spec.targets, adapter.spec.rank)
+        self.host[adapter.name] = HostEntry(adapter, layout, self.split.pool_copy(adapter))
         return layout
 
     def rebind_host_adapter(self, adapter: HostAdapter) -> AdapterLayout:
@@ -96,6 +95,7 @@ class Executor:
             for layer_group in load.groups:
                 load.wait_layer(layer_group.start)
         entry.adapter = adapter
+        entry.pool_copy = self.split.pool_copy(adapter)
         return entry.layout
 
     def remove_host_adapter(self, name: str) -> None:
@@ -118,9 +118,9 @@ class Executor:
         for placement in plan.place:
             self._drop_resident(placement.name)
             entry = self.host[placement.name]
-            resident = resident_lora(self.pool, entry.adapter, entry.layout, placement.pages)
+            resident = resident_lora(self.pool, entry.pool_copy, entry.layout, placement.pages)
             self.resident[placement.name] = resident
-            self.loads[placement.name] = self.loader.start(entry.adapter, resident, placement.load_groups)
+            self.loads[placement.name] = self.loader.start(entry.pool_copy, resident, placement.load_groups)
         rows = self.merge.prepare(plan)  # merged-mode rows run as base rows: their LoRA is in the weights
         if not rows:  # placements only (preloading)
             return StepResult(step_id=plan.step_id, rows=[], loading=self._still_loading(),
@@ -144,7 +144,8 @@ class Executor:
         # On CUDA the forward is only enqueued: the watchdog must follow the CPU sites before anything syncs.
         watchdog = cpu.start_watchdog() if cpu is not None else None
         t1 = time.perf_counter()
-        rows = self.sampler.sample(logits, ordered, sampled_rows)
+        # A tensor-parallel rank other than 0 has no logits: rank 0 samples and replies for the group.
+        rows = self.sampler.sample(logits, ordered, sampled_rows) if self.split.samples else []
         t2 = time.perf_counter()
         if watchdog is not None:
             watchdog.join()

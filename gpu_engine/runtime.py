@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,26 +18,36 @@ from loraplex.contracts.engine_spec import EngineSpec
 from loraplex.gpu_engine.executor import Executor
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.weights import load_weights, random_weights
+from loraplex.gpu_engine.model_split import ModelSplit, WholeModel, weights_device
 from loraplex.gpu_engine.pool import UnifiedPool
+
+if TYPE_CHECKING:
+    from loraplex.gpu_engine.tp.group import RankLink
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_POOL_BYTES = 512 << 20
 
 
-def resolve_spec(spec: EngineSpec) -> EngineSpec:
+def resolve_spec(spec: EngineSpec, rank: int = 0) -> EngineSpec:
     """The spec with its `auto` values replaced by what this machine supports, and the built-in demo
     model when none is set: the one place they are resolved. The engine reports the result in its
-    hello; the cache manager resolves the same spec the same way, so both agree on the dtype."""
+    hello; the cache manager resolves the same spec the same way, so both agree on the dtype.
+    rank: which tensor-parallel rank of the engine resolves it (each has its own GPU)."""
     cuda = torch.cuda.is_available()
     device = ("cuda" if cuda else "cpu") if spec.device == "auto" else spec.device
-    if device == "cuda" and cuda:  # one engine per GPU; more engines than GPUs share them round-robin
-        device = f"cuda:{spec.replica % torch.cuda.device_count()}"
+    ranks = spec.tensor_parallel_size
+    if device == "cuda" and cuda:  # one GPU per rank; more engines than GPUs share them round-robin
+        device = f"cuda:{(spec.replica * ranks + rank) % torch.cuda.device_count()}"
+    elif device.startswith("cuda:") and rank:  # cuda:K: the engine's ranks on GPUs K, K+1, ...
+        device = f"cuda:{(int(device[5:]) + rank) % max(1, torch.cuda.device_count())}"
     if device.startswith("cuda") and not cuda:
         raise ValueError(f"device={device!r} requested but CUDA is not available")
     on_gpu = device.startswith("cuda")
     dtype = ("bfloat16" if on_gpu else "float32") if spec.dtype == "auto" else spec.dtype
-    backend = ("triton" if on_gpu else "torch") if spec.lora_backend == "auto" else spec.lora_backend
-    mode = ("cpu_assist" if on_gpu else "on_demand") if spec.adapter_load_mode == "auto" else spec.adapter_load_mode
+    tp = ranks > 1  # TP runs the torch backend and GPU-only loading (EngineSpec's checks)
+    backend = ("triton" if on_gpu and not tp else "torch") if spec.lora_backend == "auto" else spec.lora_backend
+    mode = ("cpu_assist" if on_gpu and not tp else "on_demand") if spec.adapter_load_mode == "auto" \
+        else spec.adapter_load_mode
     model = spec.model
     if model is None:
         from loraplex.gpu_engine.demo import builtin_demo
@@ -44,6 +55,15 @@ def resolve_spec(spec: EngineSpec) -> EngineSpec:
         model = str(builtin_demo().model_dir)
     return dataclasses.replace(spec, model=model, device=device, dtype=dtype, lora_backend=backend,
                                adapter_load_mode=mode)
+
+
+def model_split(config: ModelConfig, comm=None) -> ModelSplit:
+    """One device, or this rank's part of a tensor-parallel engine (ValueError: cannot split N ways)."""
+    if comm is None or comm.world_size == 1:
+        return WholeModel(config)
+    from loraplex.gpu_engine.tp.shard import TpShard
+
+    return TpShard(config, comm)
 
 
 @dataclass(slots=True)
@@ -60,16 +80,21 @@ class EngineRuntime:
         return Path(self.spec.model or "")
 
 
-def build_runtime(spec: EngineSpec, *, max_num_seqs: int | None = None) -> EngineRuntime:
+def build_runtime(spec: EngineSpec, *, max_num_seqs: int | None = None, link: RankLink | None = None) -> EngineRuntime:
     """The engine's model, pool and executor for `spec`; decode graphs are captured for batches up to
-    `max_num_seqs` (default spec.max_num_seqs)."""
-    spec = resolve_spec(spec)
+    `max_num_seqs` (default spec.max_num_seqs). link: this rank's membership when the engine is split
+    over spec.tensor_parallel_size ranks (gpu_engine/tp/group.py); the executor then holds its shard."""
+    comm = link.comm if link is not None else None
+    spec = resolve_spec(spec, comm.rank if comm is not None else 0)
     model_dir = Path(spec.model or "")
     device, dtype = torch.device(spec.device), DTYPES[spec.dtype]
     config = ModelConfig.from_dir(model_dir)
-    weights = random_weights(config, device=device, dtype=dtype) if spec.load_format == "dummy" \
-        else load_weights(model_dir, config, device=device, dtype=dtype)
-    geometry = PageGeometry.for_model(config.module_shapes(), config.kv_dim, spec.page_tokens)
+    split = model_split(config, comm)
+    read_to = weights_device(split, device)
+    weights = random_weights(config, device=read_to, dtype=dtype) if spec.load_format == "dummy" \
+        else load_weights(model_dir, config, device=read_to, dtype=dtype)
+    weights = split.shard_weights(weights).to(device)
+    geometry = split.plan.geometry(spec.page_tokens)
     num_pages = spec.num_pages
     if num_pages is None:
         pool_bytes = spec.pool_bytes
@@ -81,8 +106,11 @@ def build_runtime(spec: EngineSpec, *, max_num_seqs: int | None = None) -> Engin
                 pool_bytes = DEFAULT_CPU_POOL_BYTES
         # less the executor's scratch page, so the pool stays within the byte budget
         num_pages = max(1, UnifiedPool.pages_for_bytes(config.num_layers, geometry, dtype, pool_bytes) - 1)
+        if link is not None:  # a page index means the same on every rank: as many as the smallest holds
+            num_pages = link.control.min_int(num_pages)
     executor = Executor(config, weights, geometry, num_pages, device=device, dtype=dtype,
-                        lora_backend=spec.lora_backend, load_throttle_bytes_s=spec.load_throttle_bytes_s)
+                        lora_backend=spec.lora_backend, load_throttle_bytes_s=spec.load_throttle_bytes_s,
+                        split=split)
     executor.sampler.tokenizer_json = model_dir / "tokenizer.json"  # structured output compiles against it
     limit = min(config.max_position_embeddings, num_pages * geometry.page_tokens)
     max_model_len = min(spec.max_model_len, limit) if spec.max_model_len else limit

@@ -122,6 +122,7 @@ _SERVE_FLAGS = (
     ("--dtype", "model.dtype", str, "auto, float32, bfloat16 or float16"),
     ("--lora-backend", "model.lora_backend", str, "auto, torch or triton"),
     ("--max-lora-rank", "model.max_lora_rank", int, "largest adapter rank accepted"),
+    ("--tensor-parallel-size", "model.tensor_parallel_size", int, "rank processes (devices) one engine spans"),
     ("--num-pages", "model.num_pages", int, "unified pool size in pages"),
     ("--adapter-load-mode", "model.adapter_load_mode", str, "auto, cached, on_demand or cpu_assist"),
     ("--cpu-workers", "server.cpu_workers", int, "CPU LoRA worker processes (cpu_assist)"),

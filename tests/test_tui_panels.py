@@ -146,6 +146,16 @@ def test_health_line_live_disconnected_and_connecting():
     text = render("health", gone, width=120)
     assert "DISCONNECTED" in text and "/x/stats.sock" in text and "1m15s ago" in text
     assert "CONNECTING" in render("health", View(target="/run/lpx"))
+    assert "ranks" not in render("health", live(full_snapshot()), width=100)  # one device: no TP size shown
+
+
+def test_a_tensor_parallel_engine_shows_its_size_in_top_and_stats():
+    snapshot = full_snapshot()
+    tp = {**snapshot, "engine": {**snapshot["engine"], "tensor_parallel_size": 2},
+          "engines": [{**e, "tensor_parallel_size": 2} for e in snapshot["engines"]]}
+    assert "cuda:0 ×2 ranks" in render("health", live(tp), width=120)
+    assert "tensor_parallel_size 2" in summary_lines(tp)[3]
+    assert "tensor_parallel_size" not in summary_lines(snapshot)[3]
 
 
 def test_draining_is_flagged():

@@ -33,7 +33,9 @@ def _engines(stats: Mapping[str, Any]) -> str:
     engines = rows(stats.get("engines"))
     up = sum(1 for e in engines if e.get("alive") is True)
     restarts = num(stats.get("engine_restarts")) or 0
+    tp = max((num(e.get("tensor_parallel_size")) or 1 for e in engines), default=1)
     return _line("engines", f"{up}/{len(engines)} up" if engines else MISSING,
+                 f"tensor_parallel_size {tp:.0f}" if tp > 1 else "",
                  f"{fmt_count(stats.get('steps'))} steps (p50 {fmt_ms(latency_ms(stats, 'step_ms', 'p50'))})",
                  f"mean batch {fmt_text(stats.get('mean_batch_rows'))} rows",
                  f"{fmt_count(stats.get('tokens'))} tokens",

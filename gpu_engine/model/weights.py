@@ -36,6 +36,21 @@ class ModelWeights:
     norm: torch.Tensor
     lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
 
+    def to(self, device: torch.device) -> ModelWeights:
+        """The same weights on `device` (itself when already there); a tied LM head stays tied."""
+        if self.embed.device == device:
+            return self
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device)
+
+        layers = [LayerWeights(input_norm=move(lw.input_norm), post_norm=move(lw.post_norm),
+                               proj={n: move(w) for n, w in lw.proj.items()},
+                               bias={n: move(b) for n, b in lw.bias.items()}) for lw in self.layers]
+        embed = move(self.embed)
+        return ModelWeights(embed=embed, layers=layers, norm=move(self.norm),
+                            lm_head=embed if self.lm_head is self.embed else move(self.lm_head))
+
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"

@@ -73,3 +73,17 @@ def shard_adapter(adapter: HostAdapter, plan: TensorParallelPlan, rank: int) -> 
         a_out.append({m: p[0] for m, p in pairs.items()})
         b_out.append({m: p[1] for m, p in pairs.items()})
     return HostAdapter(name=adapter.name, path=adapter.path, spec=adapter.spec, a=a_out, b=b_out)
+
+
+def merge_slices(adapter: HostAdapter, plan: TensorParallelPlan, rank: int) -> HostAdapter:
+    """dLoRA merged mode on one rank: A and B whose s·B·A is this rank's slice of the whole delta, in
+    the shape of its weight shard: column-parallel W keeps out rows slice i, so B's rows slice i with A
+    whole; row-parallel W keeps in columns slice i, so A's columns slice i with B whole (the partial
+    sums' all-reduce then adds the delta once). Nothing is padded: the rank stays r."""
+    n = plan.world_size
+    a_out: list[dict[str, torch.Tensor]] = []
+    b_out: list[dict[str, torch.Tensor]] = []
+    for a_layer, b_layer in zip(adapter.a, adapter.b):
+        a_out.append({m: a if m in COLUMN_PARALLEL else _slice(a, 1, rank, n) for m, a in a_layer.items()})
+        b_out.append({m: _slice(b, 0, rank, n) if m in COLUMN_PARALLEL else b for m, b in b_layer.items()})
+    return HostAdapter(name=adapter.name, path=adapter.path, spec=adapter.spec, a=a_out, b=b_out)

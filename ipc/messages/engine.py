@@ -46,6 +46,8 @@ class EngineHello(Message):
     cuda_graphs: bool = False  # decode steps replay captured CUDA graphs
     graph_buckets: list[int] = field(default_factory=list)  # their batch sizes
     graph_reason: str = ""  # why decode steps run eagerly ("" when graphs are on)
+    tensor_parallel_size: int = 1  # rank processes the model is split over (rank 0 sent this hello)
+    rank_pids: list[int] = field(default_factory=list)  # the other ranks' processes (rank 1, 2, ...)
 
 
 @register

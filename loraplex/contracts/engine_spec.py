@@ -47,6 +47,15 @@ def check_engine_settings(checks: Checks) -> None:
     for name in ("host_store_bytes", "exchange_max_tokens"):
         checks.positive(name)
     checks.finite("load_throttle_bytes_s", low=0.0, low_open=True, optional=True)
+    checks.positive("tensor_parallel_size")
+    if values.tensor_parallel_size > 1:
+        # Row-parallel sites (o, down) see x split across ranks: CPU-run rows would need x
+        # all-gathered first, and the Triton backend its shrink and expand split around the
+        # collective. Until those are built, TP runs the torch backend with GPU-only loading.
+        for name, refused in (("adapter_load_mode", "cpu_assist"), ("lora_backend", "triton")):
+            if getattr(values, name) == refused:
+                checks.fail(name, f"{checks.key(name)}={refused} is not supported with "
+                                  f"{checks.key('tensor_parallel_size')}={values.tensor_parallel_size} yet")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +65,13 @@ class EngineSpec:
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda or cuda:N
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     max_lora_rank: int = 256
-    lora_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    lora_backend: str = "auto"  # auto: triton on CUDA (torch under TP), torch on CPU
     max_model_len: int | None = None  # None: the model's limit
     page_tokens: int | None = None  # None: derived from the model
     num_pages: int | None = None  # at most one of num_pages, pool_bytes; neither: gpu_memory_utilization
     pool_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    adapter_load_mode: str = "auto"  # auto: cpu_assist on CUDA, else on_demand
+    adapter_load_mode: str = "auto"  # auto: cpu_assist on CUDA (on_demand under TP), else on_demand
     host_store_bytes: int = 256 << 20
     exchange_max_tokens: int = 2048  # most prefill tokens per step CPU workers can take (cpu_assist)
     load_throttle_bytes_s: float | None = None  # test-only: cap the host -> pool adapter copy rate
@@ -71,6 +80,7 @@ class EngineSpec:
     adapter_dirs: tuple[str, ...] = ()  # every adapter file must resolve inside one (empty: anywhere)
     shm_instance: str | None = None  # names the daemon's shared-memory segments
     host_store_segment: str = ""  # the cache manager's store (its own, or the one an engine attaches)
+    tensor_parallel_size: int = 1  # ranks (devices) one engine's model is split over (Megatron-LM + S-LoRA)
     replica: int = 0  # which of the daemon's engines this is: `cuda` means GPU (replica mod GPU count)
 
     def __post_init__(self) -> None:

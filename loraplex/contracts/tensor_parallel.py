@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loraplex.contracts.geometry import AdapterLayout, PageGeometry, pack_adapter_rows
+from loraplex.contracts.settings import ConfigError
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -68,6 +69,16 @@ class TensorParallelPlan:
         return cls(world_size=world_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                    vocab_size=cfg.vocab_size)
+
+    @classmethod
+    def configured(cls, cfg, world_size: int) -> TensorParallelPlan:
+        """for_model at start-up (engine, cache manager): a model that cannot split N ways is a
+        ConfigError naming model.tensor_parallel_size, which a child reports in one line."""
+        try:
+            return cls.for_model(cfg, world_size)
+        except ValueError as exc:
+            raise ConfigError(f"model.tensor_parallel_size={world_size}: {exc}", "model.tensor_parallel_size") \
+                from None
 
     # ---- base model shards -------------------------------------------------------------------
     @property

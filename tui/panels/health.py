@@ -42,6 +42,9 @@ def engine_text(view: View) -> Text:
     text.append("up" if alive else "down" if alive is not None else MISSING,
                 style=GOOD if alive else BAD if alive is not None else "")
     text.append(f" pid {fmt_id(dig(engine, 'pid'))} {fmt_text(dig(engine, 'device'), '?')}")
+    tp = num(dig(engine, "tensor_parallel_size"))
+    if tp is not None and tp > 1:  # one engine over N rank processes (devices)
+        text.append(f" ×{tp:.0f} ranks")
     text.append("  ")
     restarts = num(s.get("engine_restarts"))
     text.append_text(kv(("restarts", fmt_count(restarts)), style=WARN if restarts else ""))

@@ -1,0 +1,69 @@
+"""How the executor's model is split over devices: the one place the executor asks
+which model runs and what of an adapter goes into the pool or into merged weights.
+Its `plan` (loraplex/contracts/tensor_parallel.py, one rank for one device) says what
+the pool pages look like, as the cache manager computes it too. WholeModel is one
+device (the model as loaded); gpu_engine/tp/shard.py's TpShard is one rank of a
+tensor-parallel engine. The executor runs the same code over either."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from loraplex.contracts.tensor_parallel import TensorParallelPlan
+from loraplex.gpu_engine.lora.backend import make_lora_backend
+from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
+from loraplex.gpu_engine.model.config import ModelConfig
+from loraplex.gpu_engine.model.llama import LlamaModel
+from loraplex.gpu_engine.model.weights import ModelWeights
+
+
+class ModelSplit(Protocol):
+    plan: TensorParallelPlan
+    world_size: int
+    rank: int
+    samples: bool
+
+    def shard_weights(self, weights: ModelWeights) -> ModelWeights: ...
+    def build_model(self, weights: ModelWeights, lora_backend: str) -> LlamaModel: ...
+    def pool_copy(self, adapter: HostAdapter) -> HostAdapter: ...
+    def merge_copy(self, adapter: HostAdapter) -> HostAdapter: ...
+
+
+class WholeModel:
+    """One device holds every weight and every adapter whole."""
+
+    world_size = 1
+    rank = 0
+    samples = True  # this process samples (and replies); a TP rank other than 0 does not
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.plan = TensorParallelPlan.for_model(cfg, 1)  # one rank: plan_adapter_layout's pages
+
+    def shard_weights(self, weights: ModelWeights) -> ModelWeights:
+        return weights
+
+    def build_model(self, weights: ModelWeights, lora_backend: str) -> LlamaModel:
+        """weights: what shard_weights returned, on the device."""
+        cfg = self.cfg
+        attention = None
+        if lora_backend == "triton":  # the Triton build runs paged attention through its kernels too
+            from loraplex.gpu_engine.model.attention_triton import TritonPagedAttention
+
+            attention = TritonPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+        return LlamaModel(cfg, weights, make_lora_backend(lora_backend), attention=attention)
+
+    def pool_copy(self, adapter: HostAdapter) -> HostAdapter:
+        """What of `adapter` the pool pages hold."""
+        return adapter
+
+    def merge_copy(self, adapter: HostAdapter) -> HostAdapter:
+        """The A and B whose s·B·A has this process's weight shapes (dLoRA merged mode)."""
+        return adapter
+
+
+def weights_device(split: ModelSplit, device: torch.device) -> torch.device:
+    """Where checkpoint weights are read to: the device itself, or the host when they are sliced
+    first (a rank never holds the whole model on its device)."""
+    return device if split.world_size == 1 else torch.device("cpu")

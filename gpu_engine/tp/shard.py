@@ -1,0 +1,37 @@
+"""The executor's split (gpu_engine/model_split.py) on one rank of a tensor-parallel
+engine: pages of the plan's per-rank geometry, adapters in the plan's rank-independent
+layout, the rank's weight shard run by TpLlamaModel, and only the rank's slice of an
+adapter in its pool (S-LoRA) or merged into its weights (dLoRA)."""
+from __future__ import annotations
+
+from loraplex.contracts.tensor_parallel import TensorParallelPlan
+from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
+from loraplex.gpu_engine.model.config import ModelConfig
+from loraplex.gpu_engine.model.weights import ModelWeights
+from loraplex.gpu_engine.tp.comm import TpComm
+from loraplex.gpu_engine.tp.model import TpLlamaModel
+from loraplex.gpu_engine.tp.partition import merge_slices, shard_adapter, shard_weights
+
+
+class TpShard:
+    def __init__(self, cfg: ModelConfig, comm: TpComm) -> None:
+        self.cfg = cfg
+        self.comm = comm
+        self.plan = TensorParallelPlan.for_model(cfg, comm.world_size)  # ValueError: cannot split N ways
+        self.world_size = comm.world_size
+        self.rank = comm.rank
+        self.samples = comm.rank == 0  # logits are gathered to rank 0, which samples
+
+    def shard_weights(self, weights: ModelWeights) -> ModelWeights:
+        return shard_weights(weights, self.plan, self.rank)
+
+    def build_model(self, weights: ModelWeights, lora_backend: str) -> TpLlamaModel:
+        if lora_backend != "torch":  # EngineSpec refuses it first; this guards direct use
+            raise ValueError(f"tensor parallelism runs the torch LoRA backend, not {lora_backend!r}")
+        return TpLlamaModel(self.cfg, weights, self.plan, self.comm)
+
+    def pool_copy(self, adapter: HostAdapter) -> HostAdapter:
+        return shard_adapter(adapter, self.plan, self.rank)
+
+    def merge_copy(self, adapter: HostAdapter) -> HostAdapter:
+        return merge_slices(adapter, self.plan, self.rank)

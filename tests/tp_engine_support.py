@@ -1,0 +1,128 @@
+"""Test support for tensor-parallel engines below the daemon: N rank processes, each
+building its runtime from an EngineSpec as the engine does (build_runtime over a
+joined RankLink), driven with protocol orders the way the engine process drives them:
+rank 0 shares each order (the other ranks run gpu_engine/tp/worker.serve), runs it and
+settles the group's verdict. Rank 0 writes its greedy tokens and logprobs to a
+safetensors file, never pickled; the spawn arguments are plain strings and ints."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+
+from loraplex.contracts.engine_spec import EngineSpec
+from loraplex.ipc.engine_plan import AdapterPlacement, RowPlan, SamplingSpec, StepPlan
+from loraplex.ipc.protocol import EngineAdapterLoaded, EngineFailure, EngineLoadAdapter, EngineStep, EngineStepDone
+from tests.tp_support import Case
+
+GREEDY = SamplingSpec(temperature=0.0, logprobs=True, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class EngineCase(Case):
+    """tests/tp_support.py's case, run through the engine's orders (extra: see drive)."""
+
+    merged: str | None = None  # dLoRA merged mode: every row is of this adapter, folded into the weights
+    load_groups: int = 2  # layer groups each placement loads in (a background copy on CPU)
+    num_pages: int = 400
+
+    def spec(self, world_size: int) -> EngineSpec:
+        return EngineSpec(model=self.model_dir, device="cpu", dtype="float32", page_tokens=self.page_tokens,
+                          num_pages=self.num_pages, max_lora_rank=128, tensor_parallel_size=world_size)
+
+
+
+def drive(case: EngineCase, run: Callable[[object], object]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Load the adapters, prefill every row (placing the adapters in the same step), decode the rest;
+    returns (tokens [rows, new_tokens], logprobs [rows, new_tokens]). extra["bad_adapter"]: a path whose
+    load must fail first (on every rank alike: the engine goes on)."""
+    if "bad_adapter" in case.extra:
+        reply = run(EngineLoadAdapter(name="bad", path=case.extra["bad_adapter"]))
+        assert isinstance(reply, EngineFailure) and reply.code == "invalid_adapter", reply
+    next_page = 0
+    place = []
+    for name, path in case.adapters.items():
+        reply = run(EngineLoadAdapter(name=name, path=path))
+        assert isinstance(reply, EngineAdapterLoaded), reply
+        place.append(AdapterPlacement(name, list(range(next_page, next_page + reply.num_pages)), case.load_groups))
+        next_page += reply.num_pages
+    pages = []
+    for prompt in case.prompts:
+        n = -(-(len(prompt) + case.new_tokens) // case.page_tokens)
+        pages.append(list(range(next_page, next_page + n)))
+        next_page += n
+    assert next_page <= case.num_pages, f"the case needs {next_page} pages"
+    rows = [RowPlan(f"r{i}", list(p), 0, pages[i], case.names[i], True, GREEDY)
+            for i, p in enumerate(case.prompts)]
+    tokens, logprobs = [], []
+    for step in range(case.new_tokens):
+        reply = run(EngineStep(plan=StepPlan(step, rows, place if step == 0 else [], merged_adapter=case.merged)))
+        assert isinstance(reply, EngineStepDone), reply
+        by_id = {r.request_id: r for r in reply.result.rows}
+        sampled = [by_id[r.request_id] for r in rows]
+        tokens.append([r.token_id for r in sampled])
+        logprobs.append([r.logprob for r in sampled])
+        rows = [RowPlan(r.request_id, [s.token_id], r.start_pos + len(r.token_ids), r.kv_pages, r.adapter, True,
+                        GREEDY, step + 1) for r, s in zip(rows, sampled)]
+    return torch.tensor(tokens).t().contiguous(), torch.tensor(logprobs, dtype=torch.float64).t().contiguous()
+
+
+def single_device(case: EngineCase) -> tuple[torch.Tensor, torch.Tensor]:
+    from loraplex.gpu_engine.engine_orders import EngineOrders
+    from loraplex.gpu_engine.runtime import build_runtime
+
+    orders = EngineOrders(build_runtime(case.spec(1)))
+    try:
+        return drive(case, orders.run)
+    finally:
+        orders.close()
+
+
+def rank_main(rank: int, world_size: int, store_file: str, cases_json: str, out_dir: str) -> None:
+    """One spawned rank: rank 0 drives the cases one after the other (the same model), the others
+    serve what it shares."""
+    from loraplex.gpu_engine.engine_orders import EngineOrders
+    from loraplex.gpu_engine.runtime import build_runtime
+    from loraplex.gpu_engine.tp.group import join, open_store
+    from loraplex.gpu_engine.tp.worker import serve
+    from loraplex.ipc.protocol import EngineShutdown
+
+    cases = [EngineCase(**c) for c in json.loads(cases_json)]
+    case = cases[0]
+    link = join(rank, world_size, open_store(store_file, world_size), "cpu")
+    orders = EngineOrders(build_runtime(case.spec(world_size), link=link))
+    try:
+        if rank:
+            serve(orders, link)
+            return
+        control = link.control
+
+        def run(order):
+            control.share(order)
+            reply = orders.run(order)
+            return orders.settle(order, reply, control.failures(isinstance(reply, EngineFailure)), 0, world_size)
+
+        results = {}
+        for i, one in enumerate(cases):
+            results[f"tokens.{i}"], results[f"logprobs.{i}"] = drive(one, run)
+        control.share(EngineShutdown())
+        save_file(results, str(Path(out_dir) / "result.safetensors"))
+    finally:
+        orders.close()
+        link.comm.close()
+
+
+def spawn_engine(world_size: int, cases: list[EngineCase], out_dir: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every case on one group of `world_size` ranks; rank 0's (tokens, logprobs) of each."""
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    cases_json = json.dumps([asdict(c) for c in cases])
+    store_file = str(out_dir / "rendezvous")
+    mp.spawn(rank_main, args=(world_size, store_file, cases_json, str(out_dir)), nprocs=world_size, join=True)
+    result = load_file(str(out_dir / "result.safetensors"))
+    return [(result[f"tokens.{i}"], result[f"logprobs.{i}"]) for i in range(len(cases))]
