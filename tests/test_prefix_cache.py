@@ -254,18 +254,20 @@ def test_separate_budgets_cap_the_prefix_cache_and_evict_adapters_first() -> Non
         SchedulerConfig(prefix_eviction="lru")
 
 
+@pytest.mark.parametrize("overlapped", [False, True])
 @pytest.mark.parametrize("policy", ["fcfs", "mlq", "dlora"])
-def test_siblings_wait_for_the_prompt_one_of_them_is_computing(policy) -> None:
+def test_siblings_wait_for_the_prompt_one_of_them_is_computing(policy, overlapped) -> None:
     """n > 1 (or a burst of one prompt): requests queued together compute their shared prompt
     once; the others wait for its pages instead of computing them again, and pass nobody's
-    tokens (a request with another prompt is not held up by them)."""
+    tokens (a request with another prompt is not held up by them). With a step planned ahead,
+    they also wait for pages computed by a launched step whose result has not come yet."""
     rng = random.Random(4)
     prompt = [rng.randrange(3, 60) for _ in range(6 * PAGE + 2)]
     sched = build(policy, 200, max_batched_tokens=16)  # the prompt takes two steps to prefill
     engine = FakeEngine(sched)
     siblings = [engine.add(request(f"s{i}", prompt, 3, "cat", seed=i)) for i in range(3)]
     other = engine.add(request("other", [rng.randrange(3, 60) for _ in range(5)], 3, "cat"))
-    engine.run()
+    engine.run_overlapped() if overlapped else engine.run()
     assert [s.cached_tokens for s in siblings] == [0, 6 * PAGE, 6 * PAGE]
     assert engine.first_step["other"] <= engine.first_step["s1"]
     for seq in siblings + [other]:

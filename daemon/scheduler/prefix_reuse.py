@@ -60,23 +60,27 @@ class PrefixReuse:
                 and not seq.req.sampling.needs_history)
 
     def in_flight(self, seq: Sequence, running: Iterable[Sequence], merged_adapter: str | None) -> bool:
-        """Whether a running sequence with the same adapter is computing, in its prefill, the next
-        full page of `seq`'s prompt that the prefix cache does not hold yet."""
+        """Whether a running sequence with the same adapter will soon offer the cache the next full
+        page of `seq`'s prompt that it does not hold yet: computing it in its prefill, or computed
+        by a step launched ahead whose result has not come (overlap: its pages join the cache then)."""
         if not self.may_reuse(seq):
             return False
-        # Cheap first (this runs at every admission attempt): a running prefill of its adapter.
+        # Cheap first (this runs at every admission attempt): a running sequence of its adapter with
+        # a full prompt page it has not offered the cache yet.
         adapter, prompt = seq.req.adapter, seq.req.prompt_ids
-        prefilling = [o for o in running if o.req.adapter == adapter and o.num_computed < len(o.req.prompt_ids) - 1]
+        size = self.page_tokens
+        prefilling = [o for o in running if o.req.adapter == adapter and o.prefix_open
+                      and (o.cached_blocks + 1) * size <= len(o.req.prompt_ids) - 1]
         if not prefilling:
             return False
-        size = self.page_tokens
         start = self.cache.peek(adapter, prompt, runs_merged(adapter, merged_adapter))
         if len(prompt) - start <= size:
             return False  # no full page left to share (its last token is computed anyway)
         block = prompt[start:start + size]
         for other in prefilling:
             theirs = other.req.prompt_ids
-            if other.num_computed < start + size <= len(theirs) - 1 and theirs[start:start + size] == block:
+            if other.cached_blocks * size <= start and start + size <= len(theirs) - 1 \
+                    and theirs[start:start + size] == block:
                 return True
         return False
 
