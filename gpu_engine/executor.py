@@ -20,6 +20,7 @@ from loraplex.gpu_engine.lora.torch_backend import LoraGroup, ResidentLora, resi
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.batch import ForwardBatch, RowSpan
 from loraplex.gpu_engine.model_split import ModelSplit, WholeModel
+from loraplex.gpu_engine.tp.cpu_assist import AssistRow
 from loraplex.gpu_engine.model.weights import ModelWeights
 from loraplex.gpu_engine.pool import UnifiedPool
 from loraplex.gpu_engine.sampler import Sampler
@@ -236,9 +237,13 @@ class Executor:
         )
 
     def _cpu_run(self, plan: StepPlan, cpu_rows: list[tuple[RowPlan, int, int]]):
+        """The step's CpuAssistStepRun (rank 0 of a tensor-parallel engine: wrapped, as on every rank)."""
         if plan.cpu is None or not cpu_rows:
             return None
-        if self.cpu_assist is None:
-            raise ValueError("the plan assigns rows to CPU workers but no CPU assist is attached to this engine")
-        return self.cpu_assist.step(plan.cpu, [(row.cpu_row, first, n, row.cpu_layers, self.host[row.adapter].adapter)
-                                               for row, first, n in cpu_rows])
+        inner = None
+        if self.cpu_assist is not None:  # one device, or rank 0: the engine's exchange
+            inner = self.cpu_assist.step(plan.cpu, [(row.cpu_row, first, n, row.cpu_layers,
+                                                     self.host[row.adapter].adapter) for row, first, n in cpu_rows])
+        return self.split.assist_step(inner, [AssistRow(first, n, row.cpu_layers,
+                                                        frozenset(self.host[row.adapter].adapter.spec.targets))
+                                              for row, first, n in cpu_rows])

@@ -16,6 +16,7 @@ from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.llama import LlamaModel
 from loraplex.gpu_engine.model.weights import ModelWeights
+from loraplex.gpu_engine.tp.cpu_assist import AssistRow
 
 
 class ModelSplit(Protocol):
@@ -28,6 +29,7 @@ class ModelSplit(Protocol):
     def build_model(self, weights: ModelWeights, lora_backend: str) -> LlamaModel: ...
     def pool_copy(self, adapter: HostAdapter) -> HostAdapter: ...
     def merge_copy(self, adapter: HostAdapter) -> HostAdapter: ...
+    def assist_step(self, inner, rows: list[AssistRow]) -> object: ...
 
 
 class WholeModel:
@@ -61,6 +63,12 @@ class WholeModel:
     def merge_copy(self, adapter: HostAdapter) -> HostAdapter:
         """The A and B whose s·B·A has this process's weight shapes (dLoRA merged mode)."""
         return adapter
+
+    def assist_step(self, inner, rows: list[AssistRow]) -> object:
+        """What the model's batch.cpu is for a step with CPU-assisted `rows`: the CpuAssistStepRun itself."""
+        if inner is None:
+            raise ValueError("the plan assigns rows to CPU workers but no CPU assist is attached to this engine")
+        return inner
 
 
 def weights_device(split: ModelSplit, device: torch.device) -> torch.device:

@@ -15,6 +15,7 @@ import torch
 
 from loraplex.contracts.geometry import PageGeometry
 from loraplex.contracts.engine_spec import EngineSpec
+from loraplex.contracts.settings import ConfigError
 from loraplex.gpu_engine.executor import Executor
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.weights import load_weights, random_weights
@@ -48,6 +49,9 @@ def resolve_spec(spec: EngineSpec, rank: int = 0) -> EngineSpec:
     backend = ("triton" if on_gpu and not tp else "torch") if spec.lora_backend == "auto" else spec.lora_backend
     mode = ("cpu_assist" if on_gpu and not tp else "on_demand") if spec.adapter_load_mode == "auto" \
         else spec.adapter_load_mode
+    if tp and on_gpu and mode == "cpu_assist":  # its sync-free CUDA path (cpu_assist_cuda.py) is one device's
+        raise ConfigError("adapter_load_mode=cpu_assist with tensor_parallel_size > 1 runs on CPU hosts only "
+                          "for now (on CUDA use on_demand or cached, or tensor_parallel_size 1)", "adapter_load_mode")
     model = spec.model
     if model is None:
         from loraplex.gpu_engine.demo import builtin_demo
@@ -57,13 +61,14 @@ def resolve_spec(spec: EngineSpec, rank: int = 0) -> EngineSpec:
                                adapter_load_mode=mode)
 
 
-def model_split(config: ModelConfig, comm=None) -> ModelSplit:
-    """One device, or this rank's part of a tensor-parallel engine (ValueError: cannot split N ways)."""
+def model_split(config: ModelConfig, comm=None, *, assisted: bool = False) -> ModelSplit:
+    """One device, or this rank's part of a tensor-parallel engine (ValueError: cannot split N ways).
+    assisted: adapter_load_mode is cpu_assist (every rank joins rank 0's CPU-assisted sites)."""
     if comm is None or comm.world_size == 1:
         return WholeModel(config)
     from loraplex.gpu_engine.tp.shard import TpShard
 
-    return TpShard(config, comm)
+    return TpShard(config, comm, assisted=assisted)
 
 
 @dataclass(slots=True)
@@ -89,7 +94,7 @@ def build_runtime(spec: EngineSpec, *, max_num_seqs: int | None = None, link: Ra
     model_dir = Path(spec.model or "")
     device, dtype = torch.device(spec.device), DTYPES[spec.dtype]
     config = ModelConfig.from_dir(model_dir)
-    split = model_split(config, comm)
+    split = model_split(config, comm, assisted=spec.adapter_load_mode == "cpu_assist")
     read_to = weights_device(split, device)
     weights = random_weights(config, device=read_to, dtype=dtype) if spec.load_format == "dummy" \
         else load_weights(model_dir, config, device=read_to, dtype=dtype)

@@ -172,20 +172,3 @@ def test_tp2_biases_tied_embeddings_and_a_vocabulary_that_does_not_split(tmp_pat
     out = tmp_path / "out"
     out.mkdir()
     _compare(spawn_ranks(2, case, out), single_device_run(case))
-
-
-def test_a_rank_refuses_cpu_assisted_rows(demo):
-    """Row-parallel sites see x split across ranks: CPU-assisted rows are refused until that is built."""
-    from loraplex.gpu_engine.model.weights import load_weights
-    from loraplex.gpu_engine.tp.comm import TpComm
-    from loraplex.gpu_engine.tp.rank import TpRank
-    from loraplex.gpu_engine.tp.whole_rows import whole_rows_batch
-
-    cfg = ModelConfig.from_dir(demo.model_dir)
-    rank = TpRank(cfg, load_weights(demo.model_dir, cfg, device=torch.device("cpu"), dtype=torch.float32),
-                  TpComm(0, 1), 8, page_tokens=8)
-    batch = whole_rows_batch([([5, 6, 7], 0, [0], None)], rank.geometry)
-    assert rank.forward(batch).shape == (1, cfg.vocab_size)  # one rank: the single-device model
-    batch.cpu = object()
-    with pytest.raises(ValueError, match="CPU-assisted"):
-        rank.forward(batch)

@@ -54,17 +54,15 @@ def test_the_setting_and_its_refusals(tmp_path):
     for bad in (0, -2):
         with pytest.raises(ConfigError, match="tensor_parallel_size must be positive"):
             EngineSpec(tensor_parallel_size=bad)
-    with pytest.raises(ConfigError, match="adapter_load_mode=cpu_assist is not supported with tensor_parallel"):
-        EngineSpec(tensor_parallel_size=2, adapter_load_mode="cpu_assist")
+    assert EngineSpec(tensor_parallel_size=2, adapter_load_mode="cpu_assist").adapter_load_mode == "cpu_assist"
     with pytest.raises(ConfigError, match="lora_backend=triton is not supported"):
         EngineSpec(tensor_parallel_size=2, lora_backend="triton")
     toml = tmp_path / "loraplex.toml"
     toml.write_text("[model]\ntensor_parallel_size = 4\n")
     assert load_config(toml, env={}).engine_spec().tensor_parallel_size == 4
     assert load_config(None, env={"LORAPLEX_MODEL_TENSOR_PARALLEL_SIZE": "2"}).engine_spec().tensor_parallel_size == 2
-    with pytest.raises(ConfigError, match="model.adapter_load_mode=cpu_assist"):
-        load_config(None, env={"LORAPLEX_MODEL_TENSOR_PARALLEL_SIZE": "2", "LORAPLEX_MODEL_ADAPTER_LOAD_MODE":
-                               "cpu_assist"})
+    with pytest.raises(ConfigError, match="model.lora_backend=triton"):
+        load_config(None, env={"LORAPLEX_MODEL_TENSOR_PARALLEL_SIZE": "2", "LORAPLEX_MODEL_LORA_BACKEND": "triton"})
     assert ("--tensor-parallel-size", "model.tensor_parallel_size", int) in [f[:3] for f in _SERVE_FLAGS]
 
 
@@ -80,6 +78,11 @@ def test_auto_picks_what_tensor_parallelism_runs(monkeypatch):
     assert {(r.lora_backend, r.adapter_load_mode) for r in ranks} == {("torch", "on_demand")}
     one = runtime.resolve_spec(EngineSpec(model="/m"))
     assert (one.device, one.lora_backend, one.adapter_load_mode) == ("cuda:0", "triton", "cpu_assist")
+    # cpu_assist under TP is the host path of CPU hosts: refused on CUDA (a fatal start failure), taken on CPU
+    with pytest.raises(ConfigError, match="cpu_assist with tensor_parallel_size > 1 runs on CPU hosts only"):
+        runtime.resolve_spec(EngineSpec(model="/m", tensor_parallel_size=2, adapter_load_mode="cpu_assist"))
+    on_cpu = EngineSpec(model="/m", device="cpu", tensor_parallel_size=2, adapter_load_mode="cpu_assist")
+    assert runtime.resolve_spec(on_cpu).adapter_load_mode == "cpu_assist"
 
 
 def test_the_cache_manager_counts_the_ranks_pages(demo, adapters):
@@ -267,3 +270,40 @@ def test_a_rank_killed_mid_stream_loses_nothing(tp_daemon):
     assert len(again.token_ids) == 3
     assert elapsed < 25, f"recovery took {elapsed:.0f} s: a rank waited on the dead one (the timeout is 30 s)"
     assert "tensor-parallel rank 1" in tp_daemon.log()
+
+
+@pytest.mark.slow
+def test_serve_tp2_with_cpu_assist_matches_peft(demo, adapters, tmp_path):
+    """`loraplex serve --tensor-parallel-size 2 --adapter-load-mode cpu_assist`: with adapter loads throttled,
+    CPU workers run early layers of cold adapters' prefill through rank 0's exchange (attention and MLP
+    targets, the ranks' x slices gathered and the deltas scattered or broadcast); tokens equal PEFT's."""
+    from loraplex.ipc.client import AsyncClient
+    from tests.hf_reference import greedy
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))
+    names = ["all-r32", "odd-r5", None, "odd-r3-mlp", "odd-r7-rs"]
+    prompts = [p * 3 for p in _prompts(len(names), g)]  # longer prefills so the CPU path has rows to work on
+    registered = [f"--adapter={name}={adapters[name]}" for name in ODD]
+    proc = DaemonProcess(tmp_path, "--tensor-parallel-size", "2", "--adapter-load-mode", "cpu_assist",
+                         "--cpu-workers", "2", *registered,
+                         env={"LORAPLEX_MODEL_LOAD_THROTTLE_BYTES_S": "3e6"}).start()
+
+    async def run() -> list:
+        async with AsyncClient(runtime_dir=proc.runtime_dir) as client:
+            return await asyncio.gather(*[client.generate(p, adapter=a, max_tokens=5, temperature=0.0,
+                                                          ignore_eos=True, timeout=120)
+                                          for p, a in zip(prompts, names)])
+
+    try:
+        results = asyncio.run(run())
+        with proc.client() as client:
+            stats = client.stats()
+    finally:
+        assert proc.stop() == 0, proc.log()
+    for name, prompt, got in zip(names, prompts, results):
+        tokens, _ = greedy(demo.model_dir, adapters[name] if name else None, prompt, 5)
+        assert got.token_ids == tokens, f"adapter {name}: tokens differ from transformers + PEFT"
+    paths = [r.timings["adapter_path"] for r in results]
+    assert "cpu_assisted" in paths, (paths, stats.get("cpu_assist"))
+    assert stats["load_mode"] == "cpu_assist" and stats["engine"]["tensor_parallel_size"] == 2
+    assert stats["cpu_assist"]["jobs"] > 0, stats["cpu_assist"]

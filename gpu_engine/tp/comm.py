@@ -96,6 +96,20 @@ class TpComm:
         self.ledger.add(tag, out)
         return out
 
+    def scatter_last(self, t: torch.Tensor | None, out: torch.Tensor, tag: str) -> torch.Tensor:
+        """Rank 0's `t` [..., N·k] cut into N column blocks; rank i receives block i into `out` [..., k]
+        (`t` is read on rank 0 only, None elsewhere). Counted as what rank 0 sends: the whole of `t`."""
+        if self.world_size == 1:
+            return out.copy_(t)
+        parts = None
+        if self.rank == 0:
+            if t is None or t.shape[-1] != out.shape[-1] * self.world_size:
+                raise ValueError(f"rank 0 must scatter {self.world_size} column blocks of {out.shape[-1]}")
+            parts = [p.contiguous() for p in t.chunk(self.world_size, dim=-1)]
+            self.ledger.add(tag, t)
+        dist.scatter(out, parts, src=0, group=self.group)
+        return out
+
     def broadcast(self, t: torch.Tensor, tag: str) -> torch.Tensor:
         """Rank 0's `t` into every rank's `t` (same shape and dtype everywhere), in place."""
         if self.world_size > 1:

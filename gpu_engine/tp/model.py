@@ -8,6 +8,7 @@ the collectives where Megatron-LM and S-LoRA put them:
 - o/down: row-parallel; LoRA partial x·A all-reduced ("lora"), its B output added
   into this rank's columns of the partial sum before the base all-reduce ("base");
 - LM head: vocabulary-parallel logits gathered to rank 0, which samples.
+CPU-assisted rows (batch.cpu) go through gpu_engine/tp/cpu_assist.py's TpCpuAssist.
 
 Collectives run in the same order on every rank because every rank runs the same
 step: which segments target which module is part of the step, not of the rank.
@@ -19,11 +20,9 @@ import torch.nn.functional as F
 
 from loraplex.contracts.tensor_parallel import COLUMN_PARALLEL, TensorParallelPlan
 from loraplex.gpu_engine.lora.torch_backend import LoraGroup, TorchLoraBackend
-from loraplex.gpu_engine.model.batch import ForwardBatch
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.llama import LlamaModel
 from loraplex.gpu_engine.model.weights import LayerWeights, ModelWeights
-from loraplex.gpu_engine.pool import UnifiedPool
 from loraplex.gpu_engine.tp.comm import TpComm
 from loraplex.gpu_engine.tp.lora import expand_gathered, expand_reduced, shrink, targeting
 from loraplex.gpu_engine.tp.partition import rank_config
@@ -46,13 +45,6 @@ class TpLlamaModel(LlamaModel):
         out_slice = cfg.hidden_size // plan.world_size
         self.out_cols = slice(comm.rank * out_slice, (comm.rank + 1) * out_slice)  # of a row-parallel output
         self._gathered: dict[str, torch.Tensor] = {}  # x·A gathered for the projections still to run
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: UnifiedPool) -> torch.Tensor | None:
-        """float32 logits [S, vocab] on rank 0, None on the other ranks."""
-        if batch.cpu is not None:
-            raise ValueError("CPU-assisted prefill is not supported with tensor parallelism yet")
-        return super().forward(batch, pool)
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         local = token_ids - self.vocab_start

@@ -9,14 +9,17 @@ from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.weights import ModelWeights
 from loraplex.gpu_engine.tp.comm import TpComm
+from loraplex.gpu_engine.tp.cpu_assist import AssistRow, TpCpuAssist
 from loraplex.gpu_engine.tp.model import TpLlamaModel
 from loraplex.gpu_engine.tp.partition import merge_slices, shard_adapter, shard_weights
 
 
 class TpShard:
-    def __init__(self, cfg: ModelConfig, comm: TpComm) -> None:
+    def __init__(self, cfg: ModelConfig, comm: TpComm, *, assisted: bool = False) -> None:
+        """assisted: the engine runs adapter_load_mode=cpu_assist (rank 0 owns the exchange)."""
         self.cfg = cfg
         self.comm = comm
+        self.assisted = assisted
         self.plan = TensorParallelPlan.for_model(cfg, comm.world_size)  # ValueError: cannot split N ways
         self.world_size = comm.world_size
         self.rank = comm.rank
@@ -35,3 +38,10 @@ class TpShard:
 
     def merge_copy(self, adapter: HostAdapter) -> HostAdapter:
         return merge_slices(adapter, self.plan, self.rank)
+
+    def assist_step(self, inner, rows: list[AssistRow]) -> TpCpuAssist:
+        """Every rank wraps the step's CPU rows; only rank 0 has the CpuAssistStepRun (`inner`). A plan
+        with CPU rows for an engine without assist is refused on every rank alike, before any collective."""
+        if not self.assisted or (self.rank == 0 and inner is None):
+            raise ValueError("the plan assigns rows to CPU workers but no CPU assist is attached to this engine")
+        return TpCpuAssist(self.comm, inner, rows)

@@ -49,13 +49,12 @@ def check_engine_settings(checks: Checks) -> None:
     checks.finite("load_throttle_bytes_s", low=0.0, low_open=True, optional=True)
     checks.positive("tensor_parallel_size")
     if values.tensor_parallel_size > 1:
-        # Row-parallel sites (o, down) see x split across ranks: CPU-run rows would need x
-        # all-gathered first, and the Triton backend its shrink and expand split around the
-        # collective. Until those are built, TP runs the torch backend with GPU-only loading.
-        for name, refused in (("adapter_load_mode", "cpu_assist"), ("lora_backend", "triton")):
-            if getattr(values, name) == refused:
-                checks.fail(name, f"{checks.key(name)}={refused} is not supported with "
-                                  f"{checks.key('tensor_parallel_size')}={values.tensor_parallel_size} yet")
+        # The Triton backend would need its shrink and expand split around the collective; until
+        # that is built, TP runs the torch backend. (cpu_assist under TP runs on CPU hosts only:
+        # the engine refuses it on CUDA at start, gpu_engine/runtime.py resolve_spec.)
+        if values.lora_backend == "triton":
+            checks.fail("lora_backend", f"{checks.key('lora_backend')}=triton is not supported with "
+                                        f"{checks.key('tensor_parallel_size')}={values.tensor_parallel_size} yet")
 
 
 @dataclass(frozen=True, slots=True)
