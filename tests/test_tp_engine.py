@@ -132,6 +132,28 @@ def test_tp2_engine_orders_equal_one_device(demo, adapters, tmp_path):
     assert torch.equal(got[1][0], reference[2][0]), "merged mode changed the tokens of the unmerged adapter"
 
 
+def test_tp2_cpu_assisted_prefill_equals_one_device(demo, adapters, tmp_path):
+    """Rank 0's CpuAssistEngine and two real CPU workers compute the prefill's adapter rows (all of the
+    layers or the first only; attention and MLP targets, odd ranks, rsLoRA, an MLP-only adapter whose
+    attention sites carry nothing) while every rank joins the gathers, scatters and broadcasts; greedy
+    tokens and logprobs equal one device's without assist, with no site timed out. Then workers that never
+    answer: rank 0 times out once and computes the rest itself, the ranks' collectives unchanged."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))
+    names = [None, "odd-r5", "all-r32", "odd-r3-mlp", None, "odd-r7-rs", "qv-r8"]
+    case = EngineCase(str(demo.model_dir), {n: adapters[n] for n in names if n}, _prompts(len(names), g), names,
+                      new_tokens=3, cpu_assist=True)
+    stalled = dataclasses.replace(case, prompts=_prompts(len(names), g), extra={"stalled_workers": True})
+    cases = [case, stalled]
+    reference = [single_device(dataclasses.replace(c, cpu_assist=False)) for c in cases]
+    for c, (ref_tokens, ref_logprobs), (tokens, logprobs) in zip(cases, reference, spawn_engine(2, cases, tmp_path)):
+        what = "stalled workers" if c.extra else "workers"
+        assert torch.equal(tokens, ref_tokens), f"{what}: greedy tokens differ from one device without assist"
+        worst = (logprobs - ref_logprobs).abs().max().item()
+        assert worst < LOGPROB_TOL, f"{what}: logprobs differ from one device by {worst}"
+
+
 def test_ranks_that_disagree_on_a_load_drop_the_adapter_everywhere(demo, adapters, tmp_path):
     """settle: a load that failed on some ranks only leaves no rank holding the adapter (their pools
     would differ); one that failed on all leaves every rank as it was; a step failed elsewhere fails."""

@@ -29,17 +29,21 @@ class EngineCase(Case):
     merged: str | None = None  # dLoRA merged mode: every row is of this adapter, folded into the weights
     load_groups: int = 2  # layer groups each placement loads in (a background copy on CPU)
     num_pages: int = 400
+    cpu_assist: bool = False  # prefill adapter rows' early layers on rank 0's CPU workers (tests/tp_assist_support.py)
 
     def spec(self, world_size: int) -> EngineSpec:
         return EngineSpec(model=self.model_dir, device="cpu", dtype="float32", page_tokens=self.page_tokens,
-                          num_pages=self.num_pages, max_lora_rank=128, tensor_parallel_size=world_size)
+                          num_pages=self.num_pages, max_lora_rank=128, tensor_parallel_size=world_size,
+                          adapter_load_mode="cpu_assist" if self.cpu_assist else "auto")
 
 
 
-def drive(case: EngineCase, run: Callable[[object], object]) -> tuple[torch.Tensor, torch.Tensor]:
+def drive(case: EngineCase, run: Callable[[object], object], assist=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Load the adapters, prefill every row (placing the adapters in the same step), decode the rest;
     returns (tokens [rows, new_tokens], logprobs [rows, new_tokens]). extra["bad_adapter"]: a path whose
-    load must fail first (on every rank alike: the engine goes on)."""
+    load must fail first (on every rank alike: the engine goes on). assist: a tests/tp_assist_support.py
+    AssistRig that runs the prefill's adapter rows on CPU workers for their first layers (extra["stalled_workers"]:
+    planned, but no job sent, so rank 0's deadline falls back for the whole step)."""
     if "bad_adapter" in case.extra:
         reply = run(EngineLoadAdapter(name="bad", path=case.extra["bad_adapter"]))
         assert isinstance(reply, EngineFailure) and reply.code == "invalid_adapter", reply
@@ -48,6 +52,8 @@ def drive(case: EngineCase, run: Callable[[object], object]) -> tuple[torch.Tens
     for name, path in case.adapters.items():
         reply = run(EngineLoadAdapter(name=name, path=path))
         assert isinstance(reply, EngineAdapterLoaded), reply
+        if assist is not None:
+            assist.loaded[name] = reply
         place.append(AdapterPlacement(name, list(range(next_page, next_page + reply.num_pages)), case.load_groups))
         next_page += reply.num_pages
     pages = []
@@ -60,8 +66,17 @@ def drive(case: EngineCase, run: Callable[[object], object]) -> tuple[torch.Tens
             for i, p in enumerate(case.prompts)]
     tokens, logprobs = [], []
     for step in range(case.new_tokens):
-        reply = run(EngineStep(plan=StepPlan(step, rows, place if step == 0 else [], merged_adapter=case.merged)))
+        cpu = None
+        if assist is not None and step == 0:
+            rows, cpu = assist.plan(rows, stalled=case.extra.get("stalled_workers", False))
+        reply = run(EngineStep(plan=StepPlan(step, rows, place if step == 0 else [], cpu=cpu,
+                                             merged_adapter=case.merged)))
         assert isinstance(reply, EngineStepDone), reply
+        if cpu is not None:
+            assist.finish_step()
+            stalled = case.extra.get("stalled_workers", False)
+            assert reply.result.cpu_timeouts == int(stalled), f"{reply.result.cpu_timeouts} CPU sites timed out"
+            assert (reply.result.transfer_bytes["assist_h2d"] > 0) != stalled, "deltas from workers that ran none"
         by_id = {r.request_id: r for r in reply.result.rows}
         sampled = [by_id[r.request_id] for r in rows]
         tokens.append([r.token_id for r in sampled])
@@ -94,7 +109,15 @@ def rank_main(rank: int, world_size: int, store_file: str, cases_json: str, out_
     cases = [EngineCase(**c) for c in json.loads(cases_json)]
     case = cases[0]
     link = join(rank, world_size, open_store(store_file, world_size), "cpu")
-    orders = EngineOrders(build_runtime(case.spec(world_size), link=link))
+    runtime = build_runtime(case.spec(world_size), link=link)
+    resources = assist = None
+    if case.cpu_assist and rank == 0:  # rank 0 alone owns the exchange, the host store and the workers
+        from loraplex.gpu_engine.engine_process import CpuAssistResources
+        from tests.tp_assist_support import AssistRig
+
+        resources = CpuAssistResources(runtime)
+        assist = AssistRig(resources, runtime.config.num_layers)
+    orders = EngineOrders(runtime, store=resources.store if resources is not None else None)
     try:
         if rank:
             serve(orders, link)
@@ -108,11 +131,15 @@ def rank_main(rank: int, world_size: int, store_file: str, cases_json: str, out_
 
         results = {}
         for i, one in enumerate(cases):
-            results[f"tokens.{i}"], results[f"logprobs.{i}"] = drive(one, run)
+            results[f"tokens.{i}"], results[f"logprobs.{i}"] = drive(one, run, assist)
         control.share(EngineShutdown())
         save_file(results, str(Path(out_dir) / "result.safetensors"))
     finally:
         orders.close()
+        if assist is not None:
+            assist.close()
+        if resources is not None:
+            resources.close()
         link.comm.close()
 
 
