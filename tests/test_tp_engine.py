@@ -154,6 +154,26 @@ def test_tp2_cpu_assisted_prefill_equals_one_device(demo, adapters, tmp_path):
         assert worst < LOGPROB_TOL, f"{what}: logprobs differ from one device by {worst}"
 
 
+def test_cpu_rows_without_assist_are_refused_on_every_rank(demo):
+    """A plan with CPU rows for an engine not in cpu_assist mode fails on every rank alike, before any
+    collective (a rank that went on would wait for the others); rank 0 alone brings the step run."""
+    from loraplex.gpu_engine.model.config import ModelConfig
+    from loraplex.gpu_engine.model_split import WholeModel
+    from loraplex.gpu_engine.tp.comm import TpComm
+    from loraplex.gpu_engine.tp.cpu_assist import AssistRow, TpCpuAssist
+    from loraplex.gpu_engine.tp.shard import TpShard
+
+    cfg = ModelConfig.from_dir(demo.model_dir)
+    rows = [AssistRow(0, 4, 2, frozenset({"q_proj"}))]
+    for split in (WholeModel(cfg), TpShard(cfg, TpComm(0, 2)), TpShard(cfg, TpComm(1, 2)),
+                  TpShard(cfg, TpComm(0, 2), assisted=True)):  # rank 0 of an assisted engine without its exchange
+        with pytest.raises(ValueError, match="no CPU assist is attached"):
+            split.assist_step(None, rows)
+    assert isinstance(TpShard(cfg, TpComm(1, 2), assisted=True).assist_step(None, rows), TpCpuAssist)
+    with pytest.raises(ValueError, match="belongs to rank 0 only"):
+        TpCpuAssist(TpComm(1, 2), object(), rows)
+
+
 def test_ranks_that_disagree_on_a_load_drop_the_adapter_everywhere(demo, adapters, tmp_path):
     """settle: a load that failed on some ranks only leaves no rank holding the adapter (their pools
     would differ); one that failed on all leaves every rank as it was; a step failed elsewhere fails."""
