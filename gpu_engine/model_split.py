@@ -15,7 +15,7 @@ from loraplex.gpu_engine.lora.backend import make_lora_backend
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.llama import LlamaModel
-from loraplex.gpu_engine.model.weights import ModelWeights
+from loraplex.gpu_engine.model.weights import ModelWeights, Selector
 from loraplex.gpu_engine.tp.cpu_assist import AssistRow
 
 
@@ -26,6 +26,7 @@ class ModelSplit(Protocol):
     samples: bool
 
     def shard_weights(self, weights: ModelWeights) -> ModelWeights: ...
+    def weight_selector(self) -> Selector | None: ...
     def build_model(self, weights: ModelWeights, lora_backend: str) -> LlamaModel: ...
     def pool_copy(self, adapter: HostAdapter) -> HostAdapter: ...
     def merge_copy(self, adapter: HostAdapter) -> HostAdapter: ...
@@ -45,6 +46,10 @@ class WholeModel:
 
     def shard_weights(self, weights: ModelWeights) -> ModelWeights:
         return weights
+
+    def weight_selector(self) -> Selector | None:
+        """What load_weights keeps of each checkpoint tensor: all of it."""
+        return None
 
     def build_model(self, weights: ModelWeights, lora_backend: str) -> LlamaModel:
         """weights: what shard_weights returned, on the device."""
@@ -72,6 +77,6 @@ class WholeModel:
 
 
 def weights_device(split: ModelSplit, device: torch.device) -> torch.device:
-    """Where checkpoint weights are read to: the device itself, or the host when they are sliced
-    first (a rank never holds the whole model on its device)."""
+    """Where whole weights are made before shard_weights: the device itself, or the host when they
+    are sliced first (a rank never holds the whole model on its device)."""
     return device if split.world_size == 1 else torch.device("cpu")

@@ -95,10 +95,13 @@ def build_runtime(spec: EngineSpec, *, max_num_seqs: int | None = None, link: Ra
     device, dtype = torch.device(spec.device), DTYPES[spec.dtype]
     config = ModelConfig.from_dir(model_dir)
     split = model_split(config, comm, assisted=spec.adapter_load_mode == "cpu_assist")
-    read_to = weights_device(split, device)
-    weights = random_weights(config, device=read_to, dtype=dtype) if spec.load_format == "dummy" \
-        else load_weights(model_dir, config, device=read_to, dtype=dtype)
-    weights = split.shard_weights(weights).to(device)
+    if spec.load_format == "dummy":
+        # Every rank makes the whole model from the same seed and keeps its slice, so the ranks'
+        # random values agree (host memory: the whole model, once per rank; benchmarks only).
+        weights = split.shard_weights(random_weights(config, device=weights_device(split, device), dtype=dtype))
+    else:  # a rank reads only its slice of each tensor from the files: host memory ~ one tensor's slice
+        weights = load_weights(model_dir, config, device=device, dtype=dtype, select=split.weight_selector())
+    weights = weights.to(device)
     geometry = split.plan.geometry(spec.page_tokens)
     num_pages = spec.num_pages
     if num_pages is None:

@@ -172,3 +172,74 @@ def test_tp2_biases_tied_embeddings_and_a_vocabulary_that_does_not_split(tmp_pat
     out = tmp_path / "out"
     out.mkdir()
     _compare(spawn_ranks(2, case, out), single_device_run(case))
+
+
+class _SpyFile:
+    """safe_open's file, recording the elements every get_slice read hands out; get_tensor is refused."""
+
+    def __init__(self, inner, read: dict[str, int]) -> None:
+        self.inner, self.read = inner, read
+
+    def keys(self):
+        return self.inner.keys()
+
+    def get_tensor(self, key: str):
+        raise AssertionError(f"{key} read whole")
+
+    def get_slice(self, key: str):
+        spy, part = self, self.inner.get_slice(key)
+
+        class Slice:
+            def get_shape(self):
+                return part.get_shape()
+
+            def __getitem__(self, index):
+                out = part[index]
+                spy.read[key] = spy.read.get(key, 0) + out.numel()
+                return out
+
+        return Slice()
+
+
+def test_each_rank_reads_only_its_shard_of_the_checkpoint(tmp_path, monkeypatch):
+    """Biases, an untied LM head and 509 tokens over 2 ranks, in a checkpoint of two files: a rank's
+    sliced read equals slicing the whole model, tensor by tensor, and never reads a tensor whole."""
+    from contextlib import contextmanager
+
+    from safetensors import safe_open
+
+    from loraplex.gpu_engine.demo import llama_config, write_random_checkpoint
+    from loraplex.gpu_engine.model import weights as weights_module
+    from loraplex.gpu_engine.model.weights import expected_shapes, load_weights
+    from loraplex.gpu_engine.tp.partition import rank_selector, shard_weights
+
+    write_random_checkpoint(tmp_path, llama_config(attention_bias=True, mlp_bias=True, vocab_size=509), seed=21,
+                            num_shards=2)
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert cfg.qkv_bias and cfg.o_bias and cfg.mlp_bias and not cfg.tie_word_embeddings
+    cpu, plan = torch.device("cpu"), TensorParallelPlan.for_model(cfg, 2)
+    whole = load_weights(tmp_path, cfg, device=cpu, dtype=torch.float32)
+    read: dict[str, int] = {}
+
+    @contextmanager
+    def spy_open(*args, **kwargs):
+        with safe_open(*args, **kwargs) as f:
+            yield _SpyFile(f, read)
+
+    monkeypatch.setattr(weights_module, "safe_open", spy_open)
+    for rank in range(2):
+        read.clear()
+        got = load_weights(tmp_path, cfg, device=cpu, dtype=torch.float32, select=rank_selector(plan, rank))
+        want = shard_weights(whole, plan, rank)
+        assert got.embed.shape == (255, cfg.hidden_size) and torch.equal(got.embed, want.embed)
+        assert torch.equal(got.lm_head, want.lm_head) and torch.equal(got.norm, want.norm)
+        for lg, lw in zip(got.layers, want.layers, strict=True):
+            assert torch.equal(lg.input_norm, lw.input_norm) and torch.equal(lg.post_norm, lw.post_norm)
+            for kind, got_t, want_t in (("proj", lg.proj, lw.proj), ("bias", lg.bias, lw.bias)):
+                assert got_t.keys() == want_t.keys() == set(ALL), kind
+                for m in ALL:
+                    assert got_t[m].shape == want_t[m].shape and torch.equal(got_t[m], want_t[m]), (kind, m)
+        for key, shape in expected_shapes(cfg).items():  # every projection: exactly half of it left the file
+            if key.endswith(".weight") and key.split(".")[-2] in ALL:
+                assert read[key] * 2 == shape[0] * shape[1], key
+        assert read["lm_head.weight"] == min(255, 509 - 255 * rank) * cfg.hidden_size  # rank 1: 254 rows

@@ -5,13 +5,16 @@ benchmarks at real model sizes without a checkpoint on disk).
 
 Safetensors only: pickled checkpoints are refused, never unpickled. Every
 tensor is checked against the config's shapes; unknown tensors are refused
-rather than silently ignored.
+rather than silently ignored. A `select` reads only part of every tensor out of
+the files (a tensor-parallel rank's shard: gpu_engine/tp/partition.py's
+rank_selector), after the same checks on the full shapes.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -19,6 +22,9 @@ from safetensors import safe_open
 from loraplex.gpu_engine.model.config import ModelConfig, UnsupportedModelError
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# (checkpoint key, safetensors slice of the whole tensor) -> the part of it to keep
+Selector = Callable[[str, Any], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -96,7 +102,9 @@ def _has_bias(cfg: ModelConfig, name: str) -> bool:
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, *, device: torch.device,
-                 dtype: torch.dtype) -> ModelWeights:
+                 dtype: torch.dtype, select: Selector | None = None) -> ModelWeights:
+    """The checkpoint's weights on `device` in `dtype`: whole, or what `select` keeps of every tensor
+    (read from the file as that part only; a tied LM head stays the selected embedding)."""
     model_dir = Path(model_dir)
     want = expected_shapes(cfg)
     got: dict[str, torch.Tensor] = {}
@@ -107,9 +115,11 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, *, device: torch.devic
                     continue
                 if key not in want:
                     raise UnsupportedModelError(f"unexpected tensor {key!r} in {file.name} for this config")
-                t = f.get_tensor(key)
-                if tuple(t.shape) != want[key]:
-                    raise UnsupportedModelError(f"tensor {key} has shape {tuple(t.shape)}, expected {want[key]}")
+                part = f.get_slice(key)  # lazy: nothing read yet
+                shape = tuple(part.get_shape())
+                if shape != want[key]:
+                    raise UnsupportedModelError(f"tensor {key} has shape {shape}, expected {want[key]}")
+                t = f.get_tensor(key) if select is None else select(key, part)
                 got[key] = t.to(device=device, dtype=dtype)
     missing = sorted(set(want) - set(got))
     if missing:

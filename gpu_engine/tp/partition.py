@@ -3,18 +3,21 @@ tensor-parallel plan (loraplex.contracts.tensor_parallel) defines them.
 
 Every rank keeps 1/N of each matrix: nothing of an adapter is replicated. The
 shards are copies (contiguous), so a rank can drop the full tensors afterwards.
+The base model's rule is rank_slice alone: shard_weights applies it to whole
+tensors in memory, rank_selector to safetensors slices as a checkpoint is read.
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from loraplex.contracts.tensor_parallel import COLUMN_PARALLEL, TensorParallelPlan
+from loraplex.contracts.tensor_parallel import COLUMN_PARALLEL, ROW_PARALLEL, TensorParallelPlan
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
 from loraplex.gpu_engine.model.config import ModelConfig
-from loraplex.gpu_engine.model.weights import LayerWeights, ModelWeights
+from loraplex.gpu_engine.model.weights import LayerWeights, ModelWeights, Selector
 
 
 def _slice(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
@@ -29,26 +32,72 @@ def rank_config(cfg: ModelConfig, plan: TensorParallelPlan) -> ModelConfig:
                                vocab_size=plan.vocab_shard)
 
 
-def vocab_rows(t: torch.Tensor, plan: TensorParallelPlan, rank: int) -> torch.Tensor:
-    """Rows [rank·V/N, (rank+1)·V/N) of a [vocab, hidden] matrix, zero rows past the vocabulary."""
-    padded = plan.vocab_shard * plan.world_size
-    if padded != t.shape[0]:
-        t = F.pad(t, (0, 0, 0, padded - t.shape[0]))
-    return _slice(t, 0, rank, plan.world_size)
+@dataclass(frozen=True, slots=True)
+class RankSlice:
+    """Which part of a base-model tensor one rank holds: [start, stop) along `dim` of the full
+    tensor, then zeros up to `size` along it (the vocabulary's padding; size == stop - start elsewhere).
+    A tensor kept whole is dim 0, [0, len)."""
+
+    dim: int
+    start: int
+    stop: int
+    size: int
+
+    def take(self, full) -> torch.Tensor:
+        """This part of `full` (a tensor, or a safetensors slice: only this part is read from the
+        file), padded with zeros to `size` along `dim`, contiguous."""
+        part = full[(slice(None),) * self.dim + (slice(self.start, self.stop),)]
+        missing = self.size - part.shape[self.dim]
+        if missing:
+            part = F.pad(part, (0, 0) * (part.dim() - 1 - self.dim) + (0, missing))
+        return part.contiguous()
+
+
+def rank_slice(module: str, param: str, shape: tuple[int, ...], plan: TensorParallelPlan, rank: int) -> RankSlice:
+    """The one split rule of the base model (Megatron-LM), for the tensor `param` ("weight" or "bias")
+    of `module` (a projection name, "embed_tokens", "lm_head" or a norm: the checkpoint key's module)
+    of full `shape`: column-parallel projections and their biases along out (dim 0), row-parallel
+    along in (dim 1) with their biases whole (added once, after the all-reduce), embedding and LM head
+    by vocabulary rows padded to a multiple of N, anything else whole."""
+    if module in ("embed_tokens", "lm_head"):
+        size = plan.vocab_shard
+        start = rank * size
+        return RankSlice(0, min(start, shape[0]), min(start + size, shape[0]), size)
+    dim = 0 if module in COLUMN_PARALLEL else 1 if module in ROW_PARALLEL and param == "weight" else None
+    if dim is None:
+        return RankSlice(0, 0, shape[0], shape[0])
+    size = shape[dim] // plan.world_size
+    return RankSlice(dim, rank * size, (rank + 1) * size, size)
+
+
+def _take(t: torch.Tensor, module: str, param: str, plan: TensorParallelPlan, rank: int) -> torch.Tensor:
+    return rank_slice(module, param, tuple(t.shape), plan, rank).take(t)
 
 
 def shard_weights(weights: ModelWeights, plan: TensorParallelPlan, rank: int) -> ModelWeights:
-    """Megatron-LM: column-parallel projections (and their biases) split along out, row-parallel along in
-    (their biases kept whole: added once, after the all-reduce); embedding and LM head by vocabulary."""
-    n = plan.world_size
+    """One rank's shard of whole weights (rank_slice's rule), for weights made whole in memory (random
+    weights, tests); a checkpoint is read sliced instead (rank_selector)."""
     layers = []
     for layer in weights.layers:
-        proj = {name: _slice(w, 0 if name in COLUMN_PARALLEL else 1, rank, n) for name, w in layer.proj.items()}
-        bias = {name: _slice(b, 0, rank, n) if name in COLUMN_PARALLEL else b for name, b in layer.bias.items()}
-        layers.append(LayerWeights(input_norm=layer.input_norm, post_norm=layer.post_norm, proj=proj, bias=bias))
-    embed = vocab_rows(weights.embed, plan, rank)
-    lm_head = embed if weights.lm_head is weights.embed else vocab_rows(weights.lm_head, plan, rank)
-    return ModelWeights(embed=embed, layers=layers, norm=weights.norm, lm_head=lm_head)
+        layers.append(LayerWeights(
+            input_norm=_take(layer.input_norm, "input_layernorm", "weight", plan, rank),
+            post_norm=_take(layer.post_norm, "post_attention_layernorm", "weight", plan, rank),
+            proj={name: _take(w, name, "weight", plan, rank) for name, w in layer.proj.items()},
+            bias={name: _take(b, name, "bias", plan, rank) for name, b in layer.bias.items()}))
+    embed = _take(weights.embed, "embed_tokens", "weight", plan, rank)
+    lm_head = embed if weights.lm_head is weights.embed else _take(weights.lm_head, "lm_head", "weight", plan, rank)
+    return ModelWeights(embed=embed, layers=layers, norm=_take(weights.norm, "norm", "weight", plan, rank),
+                        lm_head=lm_head)
+
+
+def rank_selector(plan: TensorParallelPlan, rank: int) -> Selector:
+    """load_weights' `select` that reads only this rank's part of every tensor from the safetensors
+    files (get_slice: the other ranks' bytes are never copied out of the mapped file)."""
+    def select(key: str, part) -> torch.Tensor:
+        module, param = key.split(".")[-2:]
+        return rank_slice(module, param, tuple(part.get_shape()), plan, rank).take(part)
+
+    return select
 
 
 def shard_lora(module: str, a: torch.Tensor, b: torch.Tensor, plan: TensorParallelPlan,

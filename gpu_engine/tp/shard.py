@@ -7,11 +7,11 @@ from __future__ import annotations
 from loraplex.contracts.tensor_parallel import TensorParallelPlan
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
 from loraplex.gpu_engine.model.config import ModelConfig
-from loraplex.gpu_engine.model.weights import ModelWeights
+from loraplex.gpu_engine.model.weights import ModelWeights, Selector
 from loraplex.gpu_engine.tp.comm import TpComm
 from loraplex.gpu_engine.tp.cpu_assist import AssistRow, TpCpuAssist
 from loraplex.gpu_engine.tp.model import TpLlamaModel
-from loraplex.gpu_engine.tp.partition import merge_slices, shard_adapter, shard_weights
+from loraplex.gpu_engine.tp.partition import merge_slices, rank_selector, shard_adapter, shard_weights
 
 
 class TpShard:
@@ -26,7 +26,12 @@ class TpShard:
         self.samples = comm.rank == 0  # logits are gathered to rank 0, which samples
 
     def shard_weights(self, weights: ModelWeights) -> ModelWeights:
+        """This rank's slice of whole weights (random weights: every rank makes the same whole model)."""
         return shard_weights(weights, self.plan, self.rank)
+
+    def weight_selector(self) -> Selector:
+        """load_weights reads only this rank's slice of each checkpoint tensor, never the whole model."""
+        return rank_selector(self.plan, self.rank)
 
     def build_model(self, weights: ModelWeights, lora_backend: str) -> TpLlamaModel:
         if lora_backend != "torch":  # EngineSpec refuses it first; this guards direct use
