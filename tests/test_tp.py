@@ -243,3 +243,44 @@ def test_each_rank_reads_only_its_shard_of_the_checkpoint(tmp_path, monkeypatch)
             if key.endswith(".weight") and key.split(".")[-2] in ALL:
                 assert read[key] * 2 == shape[0] * shape[1], key
         assert read["lm_head.weight"] == min(255, 509 - 255 * rank) * cfg.hidden_size  # rank 1: 254 rows
+
+
+@pytest.mark.parametrize("edit, error", [
+    ("extra", "unexpected tensor 'model.layers.0.mlp.extra.weight'"),
+    ("shape", r"q_proj.weight has shape \(63, 64\), expected \(64, 64\)"),
+    ("missing", "missing 1 tensors"),
+    ("ignored", None),
+])
+def test_the_sliced_read_checks_the_checkpoint_as_the_whole_read_does(tmp_path, edit, error):
+    """Unknown tensors, wrong full shapes and missing tensors are refused on both paths alike; rotary
+    inverse frequencies and the LM head of a tied model are skipped."""
+    from safetensors.torch import load_file, save_file
+
+    from loraplex.gpu_engine.demo import llama_config, write_random_checkpoint
+    from loraplex.gpu_engine.model.config import UnsupportedModelError
+    from loraplex.gpu_engine.model.weights import load_weights
+    from loraplex.gpu_engine.tp.partition import rank_selector
+
+    write_random_checkpoint(tmp_path, llama_config(tie_word_embeddings=True), seed=23)
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    if edit == "extra":
+        tensors["model.layers.0.mlp.extra.weight"] = torch.randn(3)
+    elif edit == "shape":
+        tensors[q] = tensors[q][:63]
+    elif edit == "missing":
+        del tensors[q]
+    else:
+        tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.randn(16)
+        tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, file)
+    cfg = ModelConfig.from_dir(tmp_path)
+    cpu = torch.device("cpu")
+    for select in (None, rank_selector(TensorParallelPlan.for_model(cfg, 2), 1)):
+        if error is None:
+            weights = load_weights(tmp_path, cfg, device=cpu, dtype=torch.float32, select=select)
+            assert weights.lm_head is weights.embed
+        else:
+            with pytest.raises(UnsupportedModelError, match=error):
+                load_weights(tmp_path, cfg, device=cpu, dtype=torch.float32, select=select)
