@@ -99,7 +99,7 @@ def build_runtime(spec: EngineSpec, *, max_num_seqs: int | None = None, link: Ra
         # Every rank makes the whole model from the same seed and keeps its slice, so the ranks'
         # random values agree (host memory: the whole model, once per rank; benchmarks only).
         weights = split.shard_weights(random_weights(config, device=weights_device(split, device), dtype=dtype))
-    else:  # a rank reads only its slice of each tensor from the files: host memory ~ one tensor's slice
+    else:  # a rank reads only its slice of each tensor, moved to the device tensor by tensor
         weights = load_weights(model_dir, config, device=device, dtype=dtype, select=split.weight_selector())
     weights = weights.to(device)
     geometry = split.plan.geometry(spec.page_tokens)

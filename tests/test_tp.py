@@ -2,7 +2,8 @@
 single-device engine (fp32 tolerance) and the greedy tokens of transformers +
 PEFT, for mixed batches of base rows and adapters with odd ranks, rsLoRA, MLP
 targets and GQA; every rank holds 1/N of each adapter in a layout that is the
-same on every rank; models that cannot be split N ways are refused."""
+same on every rank; models that cannot be split N ways are refused; a rank reads
+only its slice of each checkpoint tensor, with the whole read's checks."""
 from __future__ import annotations
 
 import pytest
