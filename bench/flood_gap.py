@@ -18,6 +18,8 @@ stdout; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import random
@@ -118,6 +120,18 @@ def start_flood(endpoint: str, clients: int, per_client: int, prompt_bytes: int,
 
 
 # -- the measuring side -----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Measure gaps with the process's objects so far out of the collector's reach (gc.freeze): in a
+    test process holding a large heap, one full collection paused the thread that timestamps the
+    tokens for over a second, which read as the daemon stalling the stream."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
 
 class GapStream(threading.Thread):
     """One greedy streaming request; the arrival time of every chunk carrying tokens."""
