@@ -89,7 +89,11 @@ def test_cycling_through_every_adapter_evicts_and_stays_exact(daemon, reference)
     before = _stats(daemon)["host_tier"]
     assert before["capacity_bytes"] <= HOST_STORE_BYTES
     assert asyncio.run(_generate(daemon, prompts, adapters, concurrent=False)) == expected
-    assert asyncio.run(_generate(daemon, prompts, adapters, concurrent=True)) == expected
+    try:
+        assert asyncio.run(_generate(daemon, prompts, adapters, concurrent=True)) == expected
+    except Exception:  # once in eight full suites a load found no live child; the log says which and why
+        print(daemon.log()[-8000:])
+        raise
     tier = _stats(daemon)["host_tier"]
     assert tier["evictions"] > before["evictions"], tier
     assert tier["hits"]["disk"] > 0 and tier["loads"] > before["loads"], tier
