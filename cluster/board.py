@@ -50,6 +50,11 @@ class Board:
         self._drop_stale()
         return {r: (snap, routing) for r, (_, snap, routing) in self._reports.items()}
 
+    def routing(self) -> dict[str, dict[str, Any]]:
+        """Each live replica's latest routing stats alone (what the ingress's queue checks read often)."""
+        self._drop_stale()
+        return {r: routing for r, (_, _, routing) in self._reports.items()}
+
     def _drop_stale(self) -> None:
         now = time.monotonic()
         for replica in [r for r, (t, _, _) in self._reports.items() if now - t > STALE_S]:

@@ -68,8 +68,8 @@ class QueueMover:
             if time.monotonic() - self._read_at >= MOVE_CHECK_S:
                 self._read_at = time.monotonic()
                 try:
-                    reports = await _call(self._board.replicas.remote(), 4 * MOVE_CHECK_S, "reading the replicas' stats")
-                    self._routing = {name: routing for name, (_, routing) in reports.items()}
+                    self._routing = await _call(self._board.routing.remote(), 4 * MOVE_CHECK_S,
+                                                "reading the replicas' routing stats")
                 except LoraplexError as exc:  # no move without fresh stats
                     log.debug("no queue check: %s", exc)
                     self._routing = {}

@@ -30,10 +30,9 @@ class LoraplexRequestRouter(RequestRouter):
         policy = RankAwareRouter(PerfProfile.from_dict(profile) if profile else None, kernel=kernel,  # type: ignore[arg-type]
                                  slo_ms=slo_ms)
         self._placement = Placement(policy, miss_ms=miss_ms, host_miss_ms=host_miss_ms, spread_queue=spread_queue)
-        # What was sent to each replica after its latest report: request id -> (sent at, what), and
-        # of those, the adapters of the requests that have ended since (adapter -> sent at).
-        self._sent: dict[ReplicaID, dict[str, tuple[float, Sent]]] = {}
-        self._ended: dict[ReplicaID, dict[str, float]] = {}
+        # What was sent to each replica after its latest report: request id -> [sent at, what, ended].
+        # An ended request no longer queues there, but its adapter counts as resident until the report.
+        self._sent: dict[ReplicaID, dict[str, list]] = {}
         self._chosen: dict[str, tuple[ReplicaID, str | None]] = {}  # request id -> (replica, adapter)
         self._last: dict[str, ReplicaID] = {}  # the replica each adapter was last routed to (its home)
 
@@ -49,7 +48,7 @@ class LoraplexRequestRouter(RequestRouter):
                               max_tokens=int(options.get("max_tokens") or 0))
         last = self._last.get(adapter) if adapter else None
         homes = Counter(self._last.values())
-        views = [ReplicaView(r.replica_id.unique_id, r.routing_stats or {}, self._pending(r), self._brought(r),
+        views = [ReplicaView(r.replica_id.unique_id, r.routing_stats or {}, *self._since_report(r),
                              r.replica_id == last, homes[r.replica_id]) for r in candidate_replicas]
         order = [candidate_replicas[i] for i in self._placement.order(request, views)]
         if payload is not None:
@@ -72,7 +71,7 @@ class LoraplexRequestRouter(RequestRouter):
         if len(self._chosen) > MAX_TRACKED:
             del self._chosen[next(iter(self._chosen))]
         per = self._sent.setdefault(replica, {})
-        per[request_id] = (time.time(), sent)
+        per[request_id] = [time.time(), sent, False]
         if len(per) > MAX_SENT_PER_REPLICA:
             del per[next(iter(per))]
         if sent[0]:
@@ -93,31 +92,22 @@ class LoraplexRequestRouter(RequestRouter):
         chosen = self._chosen.pop(internal_request_id, None)
         if chosen is None:
             return
-        sent = self._sent.get(chosen[0], {}).pop(internal_request_id, None)
         if chosen[0] != replica_id:
+            self._sent.get(chosen[0], {}).pop(internal_request_id, None)
             if chosen[1] and self._last.get(chosen[1]) == chosen[0]:
                 self._home(chosen[1], replica_id)
-        elif sent is not None and chosen[1]:
-            ended = self._ended.setdefault(replica_id, {})
-            ended[chosen[1]] = sent[0]
-            if len(ended) > MAX_SENT_PER_REPLICA:
-                del ended[next(iter(ended))]
+        elif (entry := self._sent.get(replica_id, {}).get(internal_request_id)) is not None:
+            entry[2] = True
 
-    def _pending(self, replica: RunningReplica) -> list[Sent]:
-        """What was sent to `replica` after its latest report (older sends are in the report)."""
+    def _since_report(self, replica: RunningReplica) -> tuple[list[Sent], frozenset[str]]:
+        """What was sent to `replica` after its latest report (older sends are in the report): the
+        requests still in flight, and the adapters of those that ended."""
         reported_at = float((replica.routing_stats or {}).get("at", 0.0))
         per = self._sent.get(replica.replica_id, {})
-        for request_id in [r for r, (t, _) in per.items() if t <= reported_at]:
+        for request_id in [r for r, (t, _, _) in per.items() if t <= reported_at]:
             del per[request_id]
-        return [s for _, s in per.values()]
-
-    def _brought(self, replica: RunningReplica) -> frozenset[str]:
-        """Adapters of requests that ended on `replica` after its latest report (older ones are in it)."""
-        reported_at = float((replica.routing_stats or {}).get("at", 0.0))
-        ended = self._ended.get(replica.replica_id, {})
-        for adapter in [a for a, t in ended.items() if t <= reported_at]:
-            del ended[adapter]
-        return frozenset(ended)
+        flying = [sent for _, sent, ended in per.values() if not ended]
+        return flying, frozenset(sent[0] for _, sent, ended in per.values() if ended and sent[0])
 
     def _rank_of(self, adapter: str | None) -> int:
         return rank_of(adapter, [r.routing_stats or {} for r in self.curr_replicas.values()])
