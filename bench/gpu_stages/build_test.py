@@ -12,14 +12,16 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .harness import ROOT, StageContext
+from .plan import Step
+
+STAGE = "build-test"
 
 # Test files whose tests run on CUDA when it is present (on CPU they run in the default suite).
 DEVICE_TEST_FILES = ("tests/test_kernels_lora.py", "tests/test_kernels_attention.py", "tests/test_kernels_backend.py",
                      "tests/test_kernels_e2e.py", "tests/test_decode_graphs.py")
-PARITY_CHECKS = ("kernels", "graphs", "peft_offline", "daemon")
 EXTENSION_PROBE = (
     "import json, loraplex._C as C\n"
     "from loraplex.gpu_engine.cpu_assist_cuda import cuda_stream_ops_available\n"
@@ -75,31 +77,66 @@ def gpu_marked_files() -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
 
 
-def run(ctx: StageContext) -> None:
+def extension(ctx: StageContext) -> None:
     ext = ctx.run("extension", [sys.executable, "-c", EXTENSION_PROBE], est_s=10)
     if ext is not None:
         ctx.note("extension", **ext)
         ctx.figures["cuda_stream_ops"] = ext["cuda_stream_ops"]
         if ctx.cuda and not ext["cuda_stream_ops"]:
             ctx.items[-1].status, ctx.items[-1].reason = "failed", f"no CUDA stream ops: {ext['unavailable_reason']}"
+
+
+def kernel_compile(ctx: StageContext) -> None:
+    """Every Triton kernel compiled by this host's triton and ptxas (tests/test_kernels_compile.py)."""
+    pytest_item(ctx, "kernel_compile", ["tests/test_kernels_compile.py"], est_s=30)
+
+
+def gpu_marked_tests(ctx: StageContext) -> None:
     pytest_item(ctx, "gpu_marked_tests", ["-m", "gpu", *gpu_marked_files()], est_s=30)
+
+
+def device_tests(ctx: StageContext) -> None:
     if ctx.cuda:
         pytest_item(ctx, "device_tests", ["-m", "not slow", *DEVICE_TEST_FILES], est_s=60)
     else:
         ctx.skip("device_tests", "on the CPU these files run in the default suite under TRITON_INTERPRET")
-    for check in PARITY_CHECKS:
+
+
+def parity(check: str) -> Callable[[StageContext], None]:
+    def run_check(ctx: StageContext) -> None:
         args = ["gpu_parity.py", "--json", "--checks", check, "--device", ctx.device] + (["--small"] if ctx.dry_run
                                                                                         else [])
         report = ctx.run(f"parity_{check}", args, est_s=40 if check == "daemon" else 20, ok_codes=(0, 1))
         if report is None:
-            continue
+            return
         result = report["checks"][check]
         item = ctx.items[-1]
         if "skipped" in result:
             item.status, item.reason = "skipped", result["skipped"]
-            continue
+            return
         item.figures.update({k: v for k, v in result.items() if k != "traceback"})
         if not result.get("ok"):
             item.status = "failed"
             item.reason = result.get("error") or "outputs differ from the reference"
+            if result.get("traceback"):
+                item.reason += "\n" + result["traceback"]
         ctx.figures[f"parity_{check}"] = bool(result.get("ok"))
+    return run_check
+
+
+def steps() -> list[Step]:
+    """This stage's steps, in the order a stage run takes them (tiers: gpu_stages.plan)."""
+    return [Step(STAGE, "extension", 1, 10, extension, order=0),
+            Step(STAGE, "kernel_compile", 1, 40, kernel_compile, order=1),
+            Step(STAGE, "parity_kernels", 2, 40, parity("kernels"), order=0),
+            Step(STAGE, "parity_graphs", 2, 45, parity("graphs"), order=1),
+            Step(STAGE, "parity_peft_offline", 2, 45, parity("peft_offline"), order=2),
+            Step(STAGE, "parity_daemon", 2, 90, parity("daemon"), order=3),
+            Step(STAGE, "gpu_marked_tests", 2, 45, gpu_marked_tests, order=4),
+            # the unit tests on CUDA: after the first headline figures (tier 3), they are many and slow to JIT
+            Step(STAGE, "device_tests", 3, 120, device_tests, order=2)]
+
+
+def run(ctx: StageContext) -> None:
+    for step in steps():
+        step.run(ctx)

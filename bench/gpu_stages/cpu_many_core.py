@@ -10,13 +10,15 @@ from __future__ import annotations
 import os
 
 from .harness import StageContext
+from .plan import Step
+
+STAGE = "cpu-many-core"
 
 WORKERS_OVER_THREADS_TARGET = 1.4  # Toppings Fig. 17
 FLATNESS_TARGET = 2.0  # p50 round trip at the most workers over one worker: "flat in N" (ours)
 
 
-def run(ctx: StageContext) -> None:
-    cores = len(os.sched_getaffinity(0))
+def workers_vs_threads(ctx: StageContext) -> None:
     args = ["--small"] if ctx.dry_run else []
     report = ctx.run("workers_vs_threads", ["cpu_lora_compute.py", "--json", *args], est_s=20 if ctx.dry_run else 240)
     if report is not None:
@@ -27,6 +29,10 @@ def run(ctx: StageContext) -> None:
                                                          for r in report["parallel"]}}
         ctx.target(f"threads time / worker processes time, geomean ({report['config']['workers']} cores)",
                    s["ratio_geomean"], WORKERS_OVER_THREADS_TARGET, ">=", "Toppings Fig. 17")
+
+
+def round_trip(ctx: StageContext) -> None:
+    cores = len(os.sched_getaffinity(0))
     wanted = [1, 2] if ctx.dry_run else [n for n in (1, 4, 8, 16) if n <= cores] or [1]
     iters = ["--iters", "200"] if ctx.dry_run else ["--iters", "2000"]
     trip = ctx.run("round_trip", ["ipc_roundtrip.py", "--json", "--variants", "shm_futex", "--receivers",
@@ -38,3 +44,14 @@ def run(ctx: StageContext) -> None:
         most = max(p50)
         ctx.target(f"round trip p50 with {most} workers / with 1", p50[most] / p50[min(p50)], FLATNESS_TARGET, "<=",
                    "Toppings Fig. 12: flat in N (our bar: within 2x)")
+
+
+def steps() -> list[Step]:
+    """This stage's steps, in the order a stage run takes them (tiers: gpu_stages.plan)."""
+    return [Step(STAGE, "workers_vs_threads", 4, 240, workers_vs_threads, order=4),
+            Step(STAGE, "round_trip", 4, 90, round_trip, order=5)]
+
+
+def run(ctx: StageContext) -> None:
+    for step in steps():
+        step.run(ctx)

@@ -15,6 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from .harness import StageContext
+from .plan import Step
+
+STAGE = "e2e"
 
 DECODE_OVERHEAD_TARGET_PCT = 15.0  # bench/decode_profile.py: unmerged LoRA over base, 64 adapters
 
@@ -82,17 +85,42 @@ def adapter_load(ctx: StageContext) -> None:
                "ours: a load runs near the link's speed")
 
 
-def run(ctx: StageContext) -> None:
-    ttft(ctx, "7b", duration=30, rate=4.0, est_s=200)
-    off = decode(ctx, "7b", "off", est_s=60)
-    on = decode(ctx, "7b", "on", est_s=60)
+def graphs_speedup(ctx: StageContext) -> None:
+    off, on = ctx.figures.get("decode_7b_graphs_off"), ctx.figures.get("decode_7b_graphs_on")
     if off and on:
         ctx.figures["graphs_speedup_7b"] = {"base": off["base_step_ms"] / on["base_step_ms"],
                                             "lora": off["lora_step_ms"] / on["lora_step_ms"]}
-    adapter_load(ctx)
-    if ctx.dry_run:
-        ctx.skip("ttft_8b", "dry run: the tiny shape already ran the same path")
-        ctx.skip("decode_8b_graphs_on", "dry run: the tiny shape already ran the same path")
-        return
-    decode(ctx, "8b", "on", est_s=60)
-    ttft(ctx, "8b", duration=15, rate=4.0, est_s=120)
+
+
+def decode_7b(graphs: str):
+    def run_decode(ctx: StageContext) -> None:
+        decode(ctx, "7b", graphs, est_s=60)
+        graphs_speedup(ctx)
+    return run_decode
+
+
+def dry_or(name: str, fn):
+    """On a dry run the tiny shape already ran the same path: the 8B step is skipped."""
+    def run_or_skip(ctx: StageContext) -> None:
+        if ctx.dry_run:
+            ctx.skip(name, "dry run: the tiny shape already ran the same path")
+        else:
+            fn(ctx)
+    return run_or_skip
+
+
+def steps() -> list[Step]:
+    """This stage's steps, in the order a stage run takes them (tiers: gpu_stages.plan)."""
+    return [Step(STAGE, "decode_7b_graphs_on", 3, 60, decode_7b("on"), order=0),
+            Step(STAGE, "adapter_load_7b", 3, 45, adapter_load, order=1),
+            Step(STAGE, "ttft_7b", 3, 150, lambda ctx: ttft(ctx, "7b", duration=20, rate=4.0, est_s=150), order=3),
+            Step(STAGE, "decode_7b_graphs_off", 4, 60, decode_7b("off"), order=0),
+            Step(STAGE, "decode_8b_graphs_on", 4, 60, dry_or("decode_8b_graphs_on",
+                                                              lambda ctx: decode(ctx, "8b", "on", est_s=60)), order=2),
+            Step(STAGE, "ttft_8b", 4, 120, dry_or("ttft_8b", lambda ctx: ttft(ctx, "8b", duration=15, rate=4.0,
+                                                                            est_s=120)), order=3)]
+
+
+def run(ctx: StageContext) -> None:
+    for step in steps():
+        step.run(ctx)

@@ -61,6 +61,9 @@ class StageContext:
     device: str  # cuda or cpu
     budget_s: float
     started: float = field(default_factory=time.monotonic)
+    # In a window, a child gets at most this many times its estimate (and at least a minute more), so
+    # one hung item cannot take the time of every step after it; None: whatever the budget leaves.
+    cap_factor: float | None = None
     items: list[Item] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict)
     targets: list[Target] = field(default_factory=list)
@@ -99,6 +102,8 @@ class StageContext:
             self.skip(name, f"budget: {max(left, 0):.0f} s left, needs about {est_s:.0f} s")
             return None
         timeout = min(left, cap_s) if cap_s else left
+        if self.cap_factor:
+            timeout = min(timeout, max(self.cap_factor * est_s, est_s + 60))
         cmd = [sys.executable, str(BENCH / argv[0]), *argv[1:]] if argv[0].endswith(".py") else argv
         shown = " ".join(str(a) for a in (["python", f"bench/{argv[0]}", *argv[1:]] if argv[0].endswith(".py")
                                           else argv))

@@ -9,6 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from .harness import StageContext
+from .plan import Step
+
+STAGE = "kernels"
 
 PROFILE_FILE = "router_profile.json"
 
@@ -32,7 +35,7 @@ def attention_figures(rows: list[dict[str, Any]], key: str) -> list[dict[str, An
              "frac_of_roofline": r["frac_of_roofline"], "paged_over_sdpa": r["paged_over_sdpa"]} for r in rows]
 
 
-def run(ctx: StageContext) -> None:
+def kernels_bench(ctx: StageContext) -> None:
     args = ["--device", "cpu", "--interpret", "--small"] if ctx.dry_run else ["--device", "cuda"]
     report = ctx.run("kernels_bench", ["kernels.py", "--json", *args], est_s=30 if ctx.dry_run else 150)
     if report is not None:
@@ -48,6 +51,9 @@ def run(ctx: StageContext) -> None:
         ctx.target("BGMV speed-up over gather + bmm", gemv["bgmv_speedup_over_gather_bmm"], 1.0, ">=", "ours")
         ctx.target("paged decode attention time / SDPA on contiguous KV (worst case)",
                    max(r["paged_over_sdpa"] for r in decode), 1.5, "<=", "ours: the pool's paging costs < 50%")
+
+
+def perf_models(ctx: StageContext) -> None:
     profile = ctx.out / PROFILE_FILE
     shape = ["--shape", "tiny", "--batches", "1", "3", "--ranks", "4", "8", "--distinct", "3", "--fit-distinct", "2",
              "--steps", "2", "--context", "8"] if ctx.dry_run else ["--shape", "7b", "--backend", "triton"]
@@ -59,6 +65,17 @@ def run(ctx: StageContext) -> None:
             ctx.target(f"PERF_{kernel.upper()} fit R²", fit["fits"][kernel]["r2"], 0.9, ">=",
                        "Toppings §5: the rank-aware router's step-time model")
         ctx.call("profile_loads", lambda: load_profile(profile))
+
+
+def steps() -> list[Step]:
+    """This stage's steps, in the order a stage run takes them (tiers: gpu_stages.plan)."""
+    return [Step(STAGE, "kernels_bench", 3, 150, kernels_bench, order=4),
+            Step(STAGE, "perf_models", 4, 150, perf_models, order=1)]
+
+
+def run(ctx: StageContext) -> None:
+    for step in steps():
+        step.run(ctx)
 
 
 def load_profile(path) -> dict[str, Any]:
