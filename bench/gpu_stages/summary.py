@@ -23,6 +23,9 @@ def stage_markdown(report: dict[str, Any]) -> str:
              "| item | status | s | note |", "|---|---|---|---|"]
     for item in report["items"]:
         note = (item.get("reason") or "").replace("\n", " ").replace("|", "/")[:160]
+        failures = item.get("figures", {}).get("failures")
+        if failures:  # a pytest item: which tests, so the section says what to fix
+            note = (note + " failed: " + ", ".join(f"`{f.split('::')[-1]}`" for f in failures)).strip()
         status = item["status"] if item["status"] != "failed" else "**failed**"
         lines.append(f"| {item['name']} | {status} | {item['seconds']:.1f} | {note} |")
     if report["targets"]:
