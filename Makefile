@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 HYPOTHESIS_PROFILE ?= ci
 FUZZ_SCALE ?= 20
 
-.PHONY: run demo test fuzz venv bench gpu-check clean
+.PHONY: run demo test test-host fuzz venv venv-host bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -56,10 +56,33 @@ fuzz: venv
 bench: venv
 	$(PY) bench/engine_throughput.py --json
 
-# The GPU validation's four stages (bench/README.md, "GPU validation"); a dry run at toy size without a GPU.
+# The GPU validation in one window (bench/README.md, "GPU validation"); a dry run at toy size without a GPU.
 GPU_CHECK_OUT ?= bench/out/gpu
 gpu-check: venv
-	$(PY) bench/gpu_check.py --stage all --out $(GPU_CHECK_OUT) $(if $(HAS_GPU),,--dry-run)
+	$(PY) bench/gpu_check.py --window 570 --out $(GPU_CHECK_OUT) $(if $(HAS_GPU),,--dry-run)
+
+# The lent GPU hosts run torch 2.11 (CUDA 13) and triton 3.6, older than the pins above: a second
+# virtualenv with exactly those (PyPI's CUDA build of torch, which runs on the CPU too; about 5 GB)
+# runs the kernel compile check and the engine's parity tests there, so an API newer than the
+# host's is caught without a GPU. numpy < 2.4: triton 3.6's CPU interpreter converts one-element
+# arrays to ints, which numpy 2.4 refuses (the compiled path on the GPU host does not).
+HOST_VENV ?= .venv-host
+HOST_TORCH ?= 2.11.0
+HOST_TRITON ?= 3.6.0
+$(HOST_VENV)/.ready-$(HOST_TORCH)-$(HOST_TRITON): | $(PY)
+	$(PYTHON) -m venv $(HOST_VENV)
+	$(HOST_VENV)/bin/python -m pip install -q "torch==$(HOST_TORCH)" "triton==$(HOST_TRITON)" "numpy<2.4" safetensors \
+	  msgpack pyzmq tokenizers pytest hypothesis transformers peft
+	$(HOST_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+venv-host: venv $(HOST_VENV)/.ready-$(HOST_TORCH)-$(HOST_TRITON)
+
+# The engine's parity tests (against transformers + PEFT) and the kernel tests on the hosts' versions.
+HOST_TESTS ?= tests/test_parity_peft.py tests/test_kernels_lora.py tests/test_kernels_attention.py \
+	tests/test_kernels_backend.py
+test-host: venv-host
+	LORAPLEX_HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(HOST_VENV)/bin/python -m pytest $(PYTEST_ARGS) $(HOST_TESTS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info loraplex/_C*.so
+	rm -rf $(VENV) $(HOST_VENV) build *.egg-info loraplex/_C*.so

@@ -83,14 +83,22 @@ def earlier(rest_of: Path | None, stage: str) -> dict | None:
     return json.loads(path.read_text()) if path and path.is_file() else None
 
 
-def write_window(args: argparse.Namespace, info: dict, contexts: dict[str, StageContext], plan: list[dict]) -> bool:
-    """Every stage's JSON, window.json (the plan with each step's status) and summary.md, rewritten whole."""
+def step_status(statuses: list[str]) -> str:
+    """A step's status from its items': failed if one failed, ok if one ran, else skipped."""
+    return "failed" if "failed" in statuses else "ok" if "ok" in statuses else "skipped"
+
+
+def write_window(args: argparse.Namespace, info: dict, contexts: dict[str, StageContext], plan: list[dict],
+                 done: dict[str, str]) -> bool:
+    """Every stage's JSON (with each step's status, which --rest-of reads), window.json (the plan with
+    each step's status) and summary.md, rewritten whole."""
     reports = {stage: ctx.report(info) for stage, ctx in contexts.items()}
-    status = {i["name"]: i["status"] for r in reports.values() for i in r["items"]}
+    stage_of = {step.name: step.stage for step in all_steps()}
     for stage, report in reports.items():
         report["window_s"] = args.window
+        report["steps"] = {name: status for name, status in done.items() if stage_of.get(name) == stage}
         (args.out / f"{stage}.json").write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
-    rows = [{**row, "status": status.get(row["name"], "not reached")} for row in plan]
+    rows = [{**row, "status": done.get(row["name"], "not reached")} for row in plan]
     (args.out / "window.json").write_text(json.dumps({"window_s": args.window, "device": info.get("name"),
                                                       "steps": rows}, indent=1) + "\n")
     lines = [f"## GPU check in one {args.window:.0f} s window", "", "| tier | step | est s | status |",
@@ -109,15 +117,14 @@ def run_window(args: argparse.Namespace, info: dict) -> int:
                                     budget_s=args.window, cap_factor=WINDOW_CAP_FACTOR) for stage in STAGES}
     for ctx in contexts.values():
         ctx.started = contexts["build-test"].started  # one clock for the window
-    done: set[str] = set()
+    done: dict[str, str] = {}  # step -> ok | failed | skipped, of this call and a first one
     for stage, ctx in contexts.items():
         report = earlier(args.rest_of, stage)
         if report:  # a first call's results stand; its skipped steps run again
             ctx.figures.update(report["figures"])
-            for item in report["items"]:
-                if item["status"] != "skipped":
-                    ctx.items.append(Item(**item))
-                    done.add(item["name"])
+            ran = {step: status for step, status in report.get("steps", {}).items() if status != "skipped"}
+            done.update(ran)
+            ctx.items.extend(Item(**item) for item in report["items"] if item["status"] != "skipped")
             ctx.targets.extend(Target(**{k: v for k, v in t.items() if k != "met"}) for t in report["targets"])
     steps = [s for s in all_steps() if s.name not in done]
     plan = plan_table(steps, args.window)
@@ -128,15 +135,17 @@ def run_window(args: argparse.Namespace, info: dict) -> int:
         + ", ".join(f"tier {t} {n}" for t, n in TIERS.items()))
     if args.install:
         build_test.install(contexts["build-test"])
-    ok = write_window(args, info, contexts, plan)
+    ok = write_window(args, info, contexts, plan, done)
     for step in ordered(steps):
         ctx = contexts[step.stage]
         log(f"[window {ctx.left_s():.0f} s left] tier {step.tier}: {step.stage}/{step.name}")
+        first = len(ctx.items)
         try:
             step.run(ctx)
         except Exception as exc:  # noqa: BLE001 - one broken step must not lose the window's report
             ctx.items.append(Item(step.name, "failed", reason=f"{type(exc).__name__} in the harness: {exc}"))
-        ok = write_window(args, info, contexts, plan)
+        done[step.name] = step_status([i.status for i in ctx.items[first:]])
+        ok = write_window(args, info, contexts, plan, done)
     log(f"window: {'ok' if ok else 'FAILED'}; reports in {args.out}")
     return 0 if ok else 1
 

@@ -43,8 +43,9 @@ def model(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
 
 def _llm(model, backend: str, *, pad_eager: bool, **kwargs) -> LLM:
     model_dir, adapters = model
+    # float32 (on CUDA the default is bfloat16): padded and unpadded steps are compared at 1e-4
     llm = LLM(model_dir, lora_backend=backend, page_tokens=PAGE_TOKENS, num_pages=NUM_PAGES, max_num_seqs=8,
-              max_lora_rank=32, **kwargs)
+              max_lora_rank=32, dtype="float32", **kwargs)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     if pad_eager:

@@ -1,7 +1,7 @@
-"""The GPU validation harness runs all four stages dry on the CPU (so it cannot rot
-between GPU windows), its reports have the promised shape, a failed or hung item
-fails its stage without losing the report, and the RESULTS renderer replaces its
-own section only.
+"""The GPU validation harness runs its one-window plan dry on the CPU (so it cannot
+rot between GPU windows), the plan for a 600 s window puts build and correctness
+first, its reports have the promised shape, a failed or hung item fails its stage
+without losing the report, and the RESULTS renderer replaces its own section only.
 """
 from __future__ import annotations
 
@@ -34,9 +34,61 @@ def harness():
 def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path_factory.mktemp("gpu-check")
     env = {**os.environ, "LORAPLEX_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
-    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--stage", "all", "--dry-run", "--out",
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--window", "600", "--dry-run", "--out",
                            str(out)], env=env, capture_output=True, text=True, timeout=600, check=False)
     return proc, out
+
+
+def plan(*args: str) -> list[dict]:
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--plan", "--out", "unused", *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)["steps"]
+
+
+def test_the_plan_of_one_600s_window_puts_build_and_correctness_first() -> None:
+    steps = plan("--window", "600")
+    tiers = [s["tier"] for s in steps]
+    assert tiers == sorted(tiers), "most valuable first"
+    essentials = [s for s in steps if s["tier"] <= 2]
+    assert {"kernel_compile", "parity_kernels", "parity_graphs", "parity_peft_offline", "parity_daemon"} <= {
+        s["name"] for s in essentials}
+    assert all(s["fits"] for s in essentials), essentials
+    assert steps[:len(essentials)] == essentials
+    headline = {s["name"] for s in steps if s["tier"] == 3}
+    assert {"decode_7b_graphs_on", "ttft_7b", "adapter_load_7b", "kernels_bench"} <= headline
+
+
+def test_the_whole_window_ran_dry_and_every_step_has_a_status(dry_run) -> None:
+    proc, out = dry_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    window = json.loads((out / "window.json").read_text())
+    assert window["window_s"] == 600 and window["steps"]
+    assert all(s["status"] in ("ok", "skipped") for s in window["steps"]), window["steps"]
+
+
+def test_a_second_call_plans_only_what_the_first_did_not_reach(dry_run, tmp_path: Path) -> None:
+    _, out = dry_run
+    first = tmp_path / "first"
+    first.mkdir()
+    for stage in STAGES:
+        if stage != "e2e":  # as if the first call was cut off before the e2e steps
+            (first / f"{stage}.json").write_text((out / f"{stage}.json").read_text())
+    steps = json.loads((out / "window.json").read_text())["steps"]
+    skipped = {s["name"] for s in steps if s["status"] == "skipped"}
+    rest = {s["name"] for s in plan("--window", "300", "--rest-of", str(first))}
+    assert rest == {s["name"] for s in steps if s["stage"] == "e2e"} | skipped
+    assert skipped and {s["name"] for s in plan("--window", "300", "--rest-of", str(out))} == skipped, \
+        "only the steps that did not run are planned again"
+
+
+def test_one_stage_still_runs_alone(tmp_path: Path) -> None:
+    env = {**os.environ, "LORAPLEX_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--stage", "cpu-many-core", "--dry-run",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "cpu-many-core.json").read_text())
+    assert report["ok"] and {i["name"] for i in report["items"]} == {"workers_vs_threads", "round_trip"}
 
 
 def test_all_four_stages_run_dry_and_report(dry_run) -> None:

@@ -27,6 +27,9 @@ from loraplex.kernels.paged_kv import build_rows, paged_attention_reference  # n
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PT, KVH, D, H = 4, 2, 12, 6  # page_tokens, kv heads, odd head_dim, GQA group of 3
+# Tiles fed to tl.dot are >= 16 on a GPU (the launchers refuse less there); the interpreter takes 4,
+# which puts several tiles in these short rows.
+BLOCK = 16 if DEVICE == "cuda" else 4
 
 
 def paged_case(seed: int, rows: list[tuple[int, int]], num_pages: int = 48):
@@ -48,8 +51,8 @@ def test_prefill_matches_reference(window: int | None) -> None:
     # a fresh prompt, a chunk continuing at position 9, a single token, one more row
     q, kv, spans = paged_case(1, [(7, 0), (13, 9), (1, 6), (3, 0)])
     rows = build_rows(spans, DEVICE, capacity_rows=6, max_q_len=16)  # two dead rows, spare query tiles
-    out = paged_prefill_attention(q, kv, rows, num_kv_heads=KVH, page_tokens=PT, window=window, block_m=4,
-                                  block_n=4)
+    out = paged_prefill_attention(q, kv, rows, num_kv_heads=KVH, page_tokens=PT, window=window, block_m=BLOCK,
+                                  block_n=BLOCK)
     want = paged_attention_reference(q, kv, rows, KVH, PT, window)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
@@ -59,9 +62,9 @@ def test_decode_matches_reference_across_splits(window: int | None) -> None:
     q, kv, spans = paged_case(2, [(1, 0), (1, 9), (1, 37), (1, 20), (1, 5)], num_pages=64)
     rows = build_rows(spans, DEVICE, capacity_rows=7, max_context=48)
     want = paged_attention_reference(q, kv, rows, KVH, PT, window)
-    for split_tokens in (8, 64):  # several splits + reduction, then a single split (no reduction pass)
+    for split_tokens in (2 * BLOCK, 64):  # several splits + reduction, then a single split (no reduction pass)
         out = paged_decode_attention(q, kv, rows, num_kv_heads=KVH, page_tokens=PT, window=window,
-                                     split_tokens=split_tokens, block_n=4)
+                                     split_tokens=split_tokens, block_n=BLOCK)
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 
@@ -73,7 +76,8 @@ def test_attention_launchers_reject_bad_arguments() -> None:
     with pytest.raises(ValueError, match="kv must have size"):
         paged_decode_attention(q, kv, rows, num_kv_heads=KVH, page_tokens=PT * 2)
     with pytest.raises(ValueError, match="multiple of block_n"):
-        paged_decode_attention(q, kv, rows, num_kv_heads=KVH, page_tokens=PT, split_tokens=10, block_n=4)
+        paged_decode_attention(q, kv, rows, num_kv_heads=KVH, page_tokens=PT, split_tokens=2 * BLOCK + 2,
+                               block_n=BLOCK)
     with pytest.raises(ValueError, match="kv must have dtype"):
         paged_prefill_attention(q, kv.half(), rows, num_kv_heads=KVH, page_tokens=PT)
     many = build_rows(paged_case(3, [(3, 0)])[2], DEVICE)

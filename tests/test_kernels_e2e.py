@@ -46,7 +46,8 @@ def write_model(root: Path, config: dict) -> tuple[Path, dict[str, Path]]:
 
 
 def generate(model_dir: Path, adapters: dict[str, Path], backend: str, prompts: list[list[int]]):
-    llm = LLM(model_dir, lora_backend=backend, page_tokens=4, num_pages=96)
+    # float32: the references are float32 (on CUDA the default would be bfloat16)
+    llm = LLM(model_dir, lora_backend=backend, page_tokens=4, num_pages=96, dtype="float32")
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
@@ -99,7 +100,7 @@ def test_demo_model_mixed_batch_matches_torch_backend(demo) -> None:
     names = [None, "qv-r8", "attn-r16", "all-r32", "mlp-r64", "rslora-r16", "kdown-r8"]
     outs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(demo.model_dir, lora_backend=backend, page_tokens=16, num_pages=64)
+        llm = LLM(demo.model_dir, lora_backend=backend, page_tokens=16, num_pages=64, dtype="float32")
         for name, path in demo.adapters.items():
             llm.add_adapter(name, path)
         g = torch.Generator().manual_seed(9)

@@ -29,16 +29,22 @@ EXTENSION_PROBE = (
     "                  'unavailable_reason': C.cuda_stream_ops_unavailable()}))\n")
 
 
+MESSAGE_CHARS = 400  # of each failing test's message kept in the JSON: the next window starts from it
+
+
 def junit_counts(path: Path) -> dict[str, Any]:
-    """passed / failed / skipped counts and the failing test ids of a pytest junit XML."""
+    """passed / failed / skipped counts, the failing test ids and their messages, of a pytest junit XML."""
     root = ET.parse(path).getroot()
-    counts = {"passed": 0, "failed": 0, "skipped": 0, "failures": []}
+    counts: dict[str, Any] = {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "messages": {}}
     for case in root.iter("testcase"):
-        outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
-        key = {"failure": "failed", "error": "failed"}.get(outcome, outcome)
+        found = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        key = {"failure": "failed", "error": "failed"}.get(found.tag if found is not None else "passed",
+                                                            found.tag if found is not None else "passed")
         counts[key] += 1
         if key == "failed":
-            counts["failures"].append(f"{case.get('classname')}::{case.get('name')}")
+            test = f"{case.get('classname')}::{case.get('name')}"
+            counts["failures"].append(test)
+            counts["messages"][test] = (found.get("message") or found.text or "")[:MESSAGE_CHARS]
     return counts
 
 
@@ -51,7 +57,7 @@ def pytest_item(ctx: StageContext, name: str, args: list[str], est_s: float) -> 
         if xml.exists():
             counts = junit_counts(xml)
             ctx.note(name, **counts)
-            ctx.figures[name] = {k: v for k, v in counts.items() if k != "failures"}
+            ctx.figures[name] = {k: v for k, v in counts.items() if k not in ("failures", "messages")}
 
 
 INSTALLED_PROBE = "import loraplex._C, loraplex.daemon, loraplex.gpu_engine; print(loraplex.__file__)"
@@ -106,7 +112,7 @@ def parity(check: str) -> Callable[[StageContext], None]:
     def run_check(ctx: StageContext) -> None:
         args = ["gpu_parity.py", "--json", "--checks", check, "--device", ctx.device] + (["--small"] if ctx.dry_run
                                                                                         else [])
-        report = ctx.run(f"parity_{check}", args, est_s=40 if check == "daemon" else 20, ok_codes=(0, 1))
+        report = ctx.run(f"parity_{check}", args, est_s=60 if check == "daemon" else 20, ok_codes=(0, 1))
         if report is None:
             return
         result = report["checks"][check]
@@ -125,16 +131,17 @@ def parity(check: str) -> Callable[[StageContext], None]:
 
 
 def steps() -> list[Step]:
-    """This stage's steps, in the order a stage run takes them (tiers: gpu_stages.plan)."""
+    """This stage's steps, in the order a stage run takes them (tiers: gpu_stages.plan). Estimates: the
+    first H200 window (bench/results/gpu), rounded up."""
     return [Step(STAGE, "extension", 1, 10, extension, order=0),
             Step(STAGE, "kernel_compile", 1, 40, kernel_compile, order=1),
-            Step(STAGE, "parity_kernels", 2, 40, parity("kernels"), order=0),
-            Step(STAGE, "parity_graphs", 2, 45, parity("graphs"), order=1),
-            Step(STAGE, "parity_peft_offline", 2, 45, parity("peft_offline"), order=2),
-            Step(STAGE, "parity_daemon", 2, 90, parity("daemon"), order=3),
-            Step(STAGE, "gpu_marked_tests", 2, 45, gpu_marked_tests, order=4),
+            Step(STAGE, "parity_kernels", 2, 20, parity("kernels"), order=0),
+            Step(STAGE, "parity_graphs", 2, 25, parity("graphs"), order=1),
+            Step(STAGE, "parity_peft_offline", 2, 30, parity("peft_offline"), order=2),
+            Step(STAGE, "parity_daemon", 2, 70, parity("daemon"), order=3),
+            Step(STAGE, "gpu_marked_tests", 2, 35, gpu_marked_tests, order=4),
             # the unit tests on CUDA: after the first headline figures (tier 3), they are many and slow to JIT
-            Step(STAGE, "device_tests", 3, 120, device_tests, order=2)]
+            Step(STAGE, "device_tests", 3, 45, device_tests, order=3)]
 
 
 def run(ctx: StageContext) -> None:

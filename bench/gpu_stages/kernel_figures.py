@@ -37,7 +37,7 @@ def attention_figures(rows: list[dict[str, Any]], key: str) -> list[dict[str, An
 
 def kernels_bench(ctx: StageContext) -> None:
     args = ["--device", "cpu", "--interpret", "--small"] if ctx.dry_run else ["--device", "cuda"]
-    report = ctx.run("kernels_bench", ["kernels.py", "--json", *args], est_s=30 if ctx.dry_run else 150)
+    report = ctx.run("kernels_bench", ["kernels.py", "--json", *args], est_s=30 if ctx.dry_run else 45)
     if report is not None:
         gemv = gemv_figures(report)
         decode = attention_figures(report["attention_decode"], "batch,context")
@@ -58,7 +58,7 @@ def perf_models(ctx: StageContext) -> None:
     shape = ["--shape", "tiny", "--batches", "1", "3", "--ranks", "4", "8", "--distinct", "3", "--fit-distinct", "2",
              "--steps", "2", "--context", "8"] if ctx.dry_run else ["--shape", "7b", "--backend", "triton"]
     fit = ctx.run("perf_models", ["decode_profile.py", "--json", "--profile-out", str(profile), *shape],
-                  est_s=20 if ctx.dry_run else 150)
+                  est_s=20 if ctx.dry_run else 130)
     if fit is not None:
         ctx.figures["perf_models"] = {k: {m: round(v, 5) for m, v in f.items()} for k, f in fit["fits"].items()}
         for kernel in ("bgmv", "mbgmv"):
@@ -69,8 +69,8 @@ def perf_models(ctx: StageContext) -> None:
 
 def steps() -> list[Step]:
     """This stage's steps, in the order a stage run takes them (tiers: gpu_stages.plan)."""
-    return [Step(STAGE, "kernels_bench", 3, 150, kernels_bench, order=4),
-            Step(STAGE, "perf_models", 4, 150, perf_models, order=1)]
+    return [Step(STAGE, "kernels_bench", 3, 45, kernels_bench, order=2),
+            Step(STAGE, "perf_models", 4, 130, perf_models, order=1)]
 
 
 def run(ctx: StageContext) -> None:
