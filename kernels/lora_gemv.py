@@ -28,14 +28,22 @@ from loraplex.kernels.lora_tables import (
     reference_expand,
     reference_shrink,
 )
-from loraplex.kernels.runtime import block_default, check_blocks, check_device, check_tensor, next_pow2
+from loraplex.kernels.runtime import (
+    KernelLaunch,
+    block_default,
+    check_blocks,
+    check_device,
+    check_tensor,
+    interpret_mode,
+    kernel_launch,
+    next_pow2,
+)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_k"])  # one binary for every split count, 1 included
 def _gemv_shrink_kernel(x_ptr, flat_ptr, slot_ptr, a_off_ptr, rank_ptr, y_ptr,
-                        K, num_slots, width, stride_xt, stride_ym, stride_yt,
-                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        PAD_TO_MAX: tl.constexpr):
+                        K, num_slots, width, stride_xt, stride_ym, stride_yt, split_k,
+                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PAD_TO_MAX: tl.constexpr):
     t = tl.program_id(0)
     m = tl.program_id(1)
     ks = tl.program_id(2)
@@ -55,16 +63,16 @@ def _gemv_shrink_kernel(x_ptr, flat_ptr, slot_ptr, a_off_ptr, rank_ptr, y_ptr,
         jmask = j < rank
         rows = tl.load(table + j, mask=jmask, other=0)
         acc = tl.full([BLOCK_R], 0.0, dtype=tl.float32)
-        for k0 in range(ks * BLOCK_K, K, SPLIT_K * BLOCK_K):
+        for k0 in range(ks * BLOCK_K, K, split_k * BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
             xv = tl.load(x_ptr + t * stride_xt + k, mask=kmask, other=0.0).to(tl.float32)
             a = tl.load(flat_ptr + rows[:, None] + k[None, :], mask=jmask[:, None] & kmask[None, :], other=0.0)
             acc += tl.reduce(a.to(tl.float32) * xv[None, :], 1, SUM)
         dst = y_ptr + m * stride_ym + t * stride_yt + j
-        if SPLIT_K == 1:
+        if split_k == 1:
             tl.store(dst, acc, mask=jmask)
-        else:
+        else:  # split_k programs add into one zeroed row
             tl.atomic_add(dst, acc, mask=jmask)
 
 
@@ -110,18 +118,65 @@ def _gemv_expand_kernel(y_ptr, flat_ptr, slot_ptr, b_off_ptr, rank_ptr, scale_pt
     tl.store(ptrs, (cur.to(tl.float32) + delta).to(cur.dtype), mask=nmask)
 
 
-def default_split_k(k_blocks: int, programs: int, device: torch.device) -> int:
+# A padded B^T tile on a GPU, padded rank -> (largest block_n, warps once the tile holds 8192 elements or
+# more), from the compile figures (bench/kernel_compile.py, bench/RESULTS.md): 16384-element tiles at 4
+# warps held 150-250 registers a thread from rank 64 up, and ptxas spilled float16 at rank 128 x 64 on 4
+# warps and at rank 256 below block_n 64 or on 8 warps; other ranks: block_n up to 256 on 4 warps.
+PADDED_EXPAND_TILES = {64: (128, 8), 128: (64, 8), 256: (64, 4)}
+
+
+def default_split_k(k_blocks: int, programs: int, interpreted: bool) -> int:
     """Split the reduction when there are too few (row, module) programs to fill a GPU."""
-    if device.type != "cuda" or programs >= 256:
+    if interpreted or programs >= 256:
         return 1
     return max(1, min(k_blocks, 256 // max(programs, 1), 16))
 
 
-def rank_block(max_rank: int, padded: bool, block_r: int | None) -> int:
+def rank_block(max_rank: int, padded: bool, block_r: int | None, interpreted: bool) -> int:
     """BGMV: the padded max rank (one tile); MBGMV: a tile the rank loops over."""
     if padded:
         return max(next_pow2(max_rank), 2)
-    return block_r or max(2, min(next_pow2(max_rank), block_default(16, 64)))
+    return block_r or max(2, min(next_pow2(max_rank), block_default(16, 64, interpreted)))
+
+
+def gemv_shrink_launch(*, max_rank: int, padded: bool, in_features: int, tokens: int, num_modules: int,
+                       x_dtype: torch.dtype, flat_dtype: torch.dtype, index_dtype: torch.dtype, interpreted: bool,
+                       split_k: int | None = None, block_k: int | None = None,
+                       block_r: int | None = None) -> tuple[KernelLaunch, int]:
+    """The shrink launch for these sizes and dtypes, and its split count (grid axis 2)."""
+    block_r = rank_block(max_rank, padded, block_r, interpreted)
+    # a padded tile holds the whole rank: keep its A tile (block_r x block_k) within registers. On a GPU
+    # 4096 elements: 8192 spilled at ranks 128 and 256 (bench/kernel_compile.py, bench/RESULTS.md)
+    cap_k = block_default(4096, 8192, interpreted) // block_r if padded else 1 << 30
+    block_k = block_k or max(16, min(next_pow2(in_features), block_default(512, 4096, interpreted), cap_k))
+    split_k = split_k or default_split_k(triton.cdiv(in_features, block_k), tokens * num_modules, interpreted)
+    if split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    launch = kernel_launch("lora_gemv", "_gemv_shrink_kernel",
+                           {"BLOCK_R": block_r, "BLOCK_K": block_k, "PAD_TO_MAX": padded},
+                           {"x_ptr": x_dtype, "flat_ptr": flat_dtype, "slot_ptr": index_dtype,
+                            "a_off_ptr": torch.int64, "rank_ptr": torch.int32, "y_ptr": torch.float32})
+    return launch, split_k
+
+
+def gemv_expand_launch(*, max_rank: int, padded: bool, max_out: int, flat_dtype: torch.dtype,
+                       out_dtype: torch.dtype, index_dtype: torch.dtype, interpreted: bool,
+                       block_n: int | None = None, block_r: int | None = None) -> KernelLaunch:
+    """The expand launch for these sizes and dtypes (max_out: the widest output's columns)."""
+    block_r = rank_block(max_rank, padded, block_r, interpreted)
+    if not padded:
+        cap_n, tile_warps = 1 << 30, 4
+    elif interpreted:
+        cap_n, tile_warps = 16384 // block_r, 4
+    else:
+        cap_n, tile_warps = PADDED_EXPAND_TILES.get(block_r, (256, 4))
+    block_n = block_n or max(16, min(next_pow2(max_out), block_default(256, 1024, interpreted), cap_n))
+    return kernel_launch("lora_gemv", "_gemv_expand_kernel",
+                         {"BLOCK_R": block_r, "BLOCK_N": block_n, "PAD_TO_MAX": padded},
+                         {"y_ptr": torch.float32, "flat_ptr": flat_dtype, "slot_ptr": index_dtype,
+                          "b_off_ptr": torch.int64, "rank_ptr": torch.int32, "scale_ptr": torch.float32,
+                          "out0": out_dtype, "out1": out_dtype, "out2": out_dtype},
+                         num_warps=tile_warps if block_r * block_n >= 8192 else 4)
 
 
 def gemv_shrink(x: torch.Tensor, flat: torch.Tensor, token_slot: torch.Tensor, tables: LoraTables, *, padded: bool,
@@ -132,22 +187,20 @@ def gemv_shrink(x: torch.Tensor, flat: torch.Tensor, token_slot: torch.Tensor, t
     tokens, k = x.shape
     check_index("token_slot", token_slot, tokens)
     device = check_device(x, flat, token_slot, tables.a_off, tables.ranks, kernel=_gemv_shrink_kernel)
-    block_r = rank_block(tables.max_rank, padded, block_r)
-    # a padded tile holds the whole rank: keep its A tile (block_r x block_k) within registers
-    cap_k = 8192 // block_r if padded else 1 << 30
-    block_k = block_k or max(16, min(next_pow2(k), block_default(512, 4096), cap_k))
-    split_k = split_k or default_split_k(triton.cdiv(k, block_k), tokens * tables.num_modules, device)
-    if split_k < 1:
-        raise ValueError(f"split_k must be >= 1, got {split_k}")
-    check_blocks(device, block_k=block_k, block_r=block_r)
+    launch, split_k = gemv_shrink_launch(
+        max_rank=tables.max_rank, padded=padded, in_features=k, tokens=tokens, num_modules=tables.num_modules,
+        x_dtype=x.dtype, flat_dtype=flat.dtype, index_dtype=token_slot.dtype,
+        interpreted=interpret_mode(), split_k=split_k, block_k=block_k, block_r=block_r)
+    block_r = launch.const("BLOCK_R")
+    check_blocks(device, block_k=launch.const("BLOCK_K"), block_r=block_r)
     alloc = torch.zeros if split_k > 1 else torch.empty
     y = alloc(tables.num_modules, tokens, block_r if padded else tables.width, dtype=torch.float32, device=device)
     if tokens == 0:
         return y
     grid = (tokens, tables.num_modules, split_k)
     _gemv_shrink_kernel[grid](x, flat, token_slot, tables.a_off, tables.ranks, y,
-                              k, tables.num_slots, tables.width, x.stride(0), y.stride(0), y.stride(1),
-                              BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k, PAD_TO_MAX=padded)
+                              k, tables.num_slots, tables.width, x.stride(0), y.stride(0), y.stride(1), split_k,
+                              **launch.options)
     return y
 
 
@@ -162,17 +215,19 @@ def gemv_expand(outs: Sequence[torch.Tensor], y: torch.Tensor, flat: torch.Tenso
     device = check_device(y, flat, token_slot, tables.b_off, *outs, kernel=_gemv_expand_kernel)
     if y.shape[2] < tables.max_rank:
         raise ValueError(f"y holds {y.shape[2]} rank columns, tables need {tables.max_rank}")
-    block_r = rank_block(tables.max_rank, padded, block_r)
     max_n = max(o.shape[1] for o in outs)
-    cap_n = 16384 // block_r if padded else 1 << 30
-    block_n = block_n or max(16, min(next_pow2(max_n), block_default(256, 1024), cap_n))
-    check_blocks(device, block_n=block_n, block_r=block_r)
+    launch = gemv_expand_launch(max_rank=tables.max_rank, padded=padded, max_out=max_n, flat_dtype=flat.dtype,
+                                out_dtype=outs[0].dtype, index_dtype=token_slot.dtype,
+                                interpreted=interpret_mode(), block_n=block_n,
+                                block_r=block_r)
+    block_n = launch.const("BLOCK_N")
+    check_blocks(device, block_n=block_n, block_r=launch.const("BLOCK_R"))
     if tokens == 0:
         return
     grid = (tokens, len(outs), triton.cdiv(max_n, block_n))
     _gemv_expand_kernel[grid](y, flat, token_slot, tables.b_off, tables.ranks, tables.scaling,
                               *output_args(outs), tables.num_slots, tables.width, y.stride(0), y.stride(1),
-                              BLOCK_R=block_r, BLOCK_N=block_n, PAD_TO_MAX=padded)
+                              **launch.options)
 
 
 def gemv_reference(outs: Sequence[torch.Tensor], x: torch.Tensor, flat: torch.Tensor, token_slot: torch.Tensor,

@@ -23,7 +23,16 @@ from loraplex.kernels.lora_tables import (
     reference_expand,
     reference_shrink,
 )
-from loraplex.kernels.runtime import block_default, check_blocks, check_device, check_tensor, next_pow2
+from loraplex.kernels.runtime import (
+    KernelLaunch,
+    block_default,
+    check_blocks,
+    check_device,
+    check_tensor,
+    interpret_mode,
+    kernel_launch,
+    next_pow2,
+)
 
 
 @triton.jit
@@ -115,8 +124,39 @@ def _check_segments(seg_start: torch.Tensor, seg_len: torch.Tensor, seg_slot: to
     return segments
 
 
-def _blocks(max_rank: int, block_m: int | None, block_r: int | None) -> tuple[int, int]:
-    return block_m or block_default(32, 64), block_r or max(16, min(next_pow2(max_rank), block_default(64, 128)))
+def _blocks(max_rank: int, block_m: int | None, block_r: int | None, interpreted: bool) -> tuple[int, int]:
+    return (block_m or block_default(32, 64, interpreted),
+            block_r or max(16, min(next_pow2(max_rank), block_default(64, 128, interpreted))))
+
+
+def sgmv_shrink_launch(*, max_rank: int, in_features: int, dtype: torch.dtype, index_dtype: torch.dtype,
+                       interpreted: bool, block_m: int | None = None, block_r: int | None = None,
+                       block_k: int | None = None, precision: str = "ieee") -> KernelLaunch:
+    """The shrink launch for these sizes and dtypes (x and the pool share `dtype`)."""
+    block_m, block_r = _blocks(max_rank, block_m, block_r, interpreted)
+    # float32 tiles of rank 64 x 64 spilled (bench/kernel_compile.py); x 32 spill nothing
+    gpu_k = 32 if dtype == torch.float32 else 64
+    block_k = block_k or max(16, min(next_pow2(in_features), block_default(gpu_k, 1024, interpreted)))
+    return kernel_launch("lora_sgmv", "_sgmv_shrink_kernel",
+                         {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_K": block_k, "PRECISION": precision},
+                         {"x_ptr": dtype, "flat_ptr": dtype, "start_ptr": index_dtype, "len_ptr": index_dtype,
+                          "seg_slot_ptr": index_dtype, "a_off_ptr": torch.int64, "rank_ptr": torch.int32,
+                          "y_ptr": torch.float32})
+
+
+def sgmv_expand_launch(*, max_rank: int, max_out: int, flat_dtype: torch.dtype, out_dtype: torch.dtype,
+                       index_dtype: torch.dtype, interpreted: bool, block_m: int | None = None,
+                       block_r: int | None = None, block_n: int | None = None,
+                       precision: str = "ieee") -> KernelLaunch:
+    """The expand launch for these sizes and dtypes (max_out: the widest output's columns)."""
+    block_m, block_r = _blocks(max_rank, block_m, block_r, interpreted)
+    block_n = block_n or max(16, min(next_pow2(max_out), block_default(64, 1024, interpreted)))
+    return kernel_launch("lora_sgmv", "_sgmv_expand_kernel",
+                         {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_N": block_n, "PRECISION": precision},
+                         {"y_ptr": torch.float32, "flat_ptr": flat_dtype, "start_ptr": index_dtype,
+                          "len_ptr": index_dtype, "seg_slot_ptr": index_dtype, "b_off_ptr": torch.int64,
+                          "rank_ptr": torch.int32, "scale_ptr": torch.float32, "out0": out_dtype, "out1": out_dtype,
+                          "out2": out_dtype})
 
 
 def sgmv_shrink(x: torch.Tensor, flat: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
@@ -134,16 +174,18 @@ def sgmv_shrink(x: torch.Tensor, flat: torch.Tensor, seg_start: torch.Tensor, se
     segments = _check_segments(seg_start, seg_len, seg_slot)
     device = check_device(x, flat, seg_start, seg_len, seg_slot, tables.a_off, kernel=_sgmv_shrink_kernel)
     tokens, k = x.shape
-    block_m, block_r = _blocks(tables.max_rank, block_m, block_r)
-    block_k = block_k or max(16, min(next_pow2(k), block_default(64, 1024)))
-    check_blocks(device, 16, block_m=block_m, block_r=block_r, block_k=block_k)
+    launch = sgmv_shrink_launch(max_rank=tables.max_rank, in_features=k, dtype=x.dtype, index_dtype=seg_start.dtype,
+                                interpreted=interpret_mode(), block_m=block_m, block_r=block_r, block_k=block_k,
+                                precision=precision)
+    block_m = launch.const("BLOCK_M")
+    check_blocks(device, 16, block_m=block_m, block_r=launch.const("BLOCK_R"), block_k=launch.const("BLOCK_K"))
     y = torch.empty(tables.num_modules, tokens, tables.width, dtype=torch.float32, device=device)
     if tokens == 0 or segments == 0 or max_seg_len <= 0:
         return y
     grid = (triton.cdiv(max_seg_len, block_m), segments, tables.num_modules)
     _sgmv_shrink_kernel[grid](x, flat, seg_start, seg_len, seg_slot, tables.a_off, tables.ranks, y,
                               k, tables.num_slots, tables.width, x.stride(0), y.stride(0), y.stride(1),
-                              BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PRECISION=precision)
+                              **launch.options)
     return y
 
 
@@ -161,17 +203,19 @@ def sgmv_expand(outs: Sequence[torch.Tensor], y: torch.Tensor, flat: torch.Tenso
                  kernel=_sgmv_expand_kernel)
     if y.shape[2] < tables.max_rank:
         raise ValueError(f"y holds {y.shape[2]} rank columns, tables need {tables.max_rank}")
-    block_m, block_r = _blocks(tables.max_rank, block_m, block_r)
     max_n = max(o.shape[1] for o in outs)
-    block_n = block_n or max(16, min(next_pow2(max_n), block_default(64, 1024)))
-    check_blocks(device, 16, block_m=block_m, block_r=block_r, block_n=block_n)
+    launch = sgmv_expand_launch(max_rank=tables.max_rank, max_out=max_n, flat_dtype=flat.dtype,
+                                out_dtype=outs[0].dtype, index_dtype=seg_start.dtype, interpreted=interpret_mode(),
+                                block_m=block_m, block_r=block_r, block_n=block_n, precision=precision)
+    block_m, block_n = launch.const("BLOCK_M"), launch.const("BLOCK_N")
+    check_blocks(device, 16, block_m=block_m, block_r=launch.const("BLOCK_R"), block_n=block_n)
     if tokens == 0 or segments == 0 or max_seg_len <= 0:
         return
     n_tiles = triton.cdiv(max_n, block_n)
     grid = (triton.cdiv(max_seg_len, block_m) * n_tiles, segments, len(outs))
     _sgmv_expand_kernel[grid](y, flat, seg_start, seg_len, seg_slot, tables.b_off, tables.ranks, tables.scaling,
                               *output_args(outs), tables.num_slots, tables.width, y.stride(0), y.stride(1), n_tiles,
-                              BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, PRECISION=precision)
+                              **launch.options)
 
 
 def segment_token_slots(tokens: int, seg_start: torch.Tensor, seg_len: torch.Tensor,

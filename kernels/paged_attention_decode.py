@@ -9,6 +9,7 @@ row and context capacity; dead rows (q_len 0) and splits past a row's context ex
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -16,7 +17,15 @@ import triton.language as tl
 
 from loraplex.kernels._jit import MAX, SUM
 from loraplex.kernels.paged_kv import PagedRows, check_attention_args, paged_attention_reference
-from loraplex.kernels.runtime import block_default, check_blocks, check_device, next_pow2
+from loraplex.kernels.runtime import (
+    KernelLaunch,
+    block_default,
+    check_blocks,
+    check_device,
+    interpret_mode,
+    kernel_launch,
+    next_pow2,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -107,6 +116,42 @@ def _decode_reduce_kernel(o_ptr, ml_ptr, out_ptr, q_start_ptr, q_len_ptr, ctx_pt
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (d[None, :] < head_dim))
 
 
+class DecodeLaunch(NamedTuple):
+    split: KernelLaunch  # the split kernel (which normalises itself when there is one split)
+    reduce: KernelLaunch | None  # the reduction; None when one split covers every context
+    split_tokens: int  # keys per split
+    splits: int  # grid axis 2: ceil(max_context / split_tokens)
+
+
+def decode_launch(*, head_dim: int, group: int, dtype: torch.dtype, index_dtype: torch.dtype, max_context: int,
+                  interpreted: bool, split_tokens: int | None = None, block_n: int | None = None,
+                  precision: str = "ieee") -> DecodeLaunch:
+    """The decode launches for this head size, GQA group, dtype and context capacity (q, the pool
+    and out share `dtype`; index_dtype: the row tables')."""
+    d_pad = max(16, next_pow2(head_dim))
+    g_pad = max(16, next_pow2(group))
+    fp32 = dtype == torch.float32  # IEEE float32 dots run on FMA units, their operands held in registers
+    # Registers a thread (bench/kernel_compile.py): 16-bit types at 4 warps spill nothing up to head_dim 128
+    # and hold 216-224 at 256, which 8 warps share out; float32 spilled at block_n 64 from head_dim 128 on.
+    block_n = block_n or min(block_default(32 if fp32 else 64, 256, interpreted), next_pow2(split_tokens or 256))
+    warps = 8 if d_pad >= 256 or (fp32 and d_pad >= 128) else 4
+    split_tokens = split_tokens or max(block_n, 256)
+    if split_tokens % block_n:
+        raise ValueError(f"split_tokens={split_tokens} must be a multiple of block_n={block_n}")
+    splits = triton.cdiv(max_context, split_tokens)
+    rows = {"q_start_ptr": index_dtype, "q_len_ptr": index_dtype, "ctx_ptr": index_dtype}
+    split = kernel_launch("paged_attention_decode", "_decode_split_kernel",
+                          {"G_PAD": g_pad, "BLOCK_N": block_n, "D_PAD": d_pad, "SINGLE": splits == 1,
+                           "PRECISION": precision},
+                          {"q_ptr": dtype, "kv_ptr": dtype, **rows, "table_ptr": index_dtype,
+                           "o_ptr": torch.float32, "ml_ptr": torch.float32, "out_ptr": dtype}, floats=("qk_scale",),
+                          num_warps=warps)
+    reduce = None if splits == 1 else kernel_launch(
+        "paged_attention_decode", "_decode_reduce_kernel", {"G_PAD": g_pad, "D_PAD": d_pad},
+        {"o_ptr": torch.float32, "ml_ptr": torch.float32, "out_ptr": dtype, **rows})
+    return DecodeLaunch(split, reduce, split_tokens, splits)
+
+
 def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, rows: PagedRows, *, num_kv_heads: int,
                            page_tokens: int, window: int | None = None, scale: float | None = None,
                            out: torch.Tensor | None = None, split_tokens: int | None = None,
@@ -126,30 +171,29 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, rows: PagedRows, *
     if rows.max_q_len > 1:
         raise ValueError(f"decode rows hold one query token each, got max_q_len={rows.max_q_len}")
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
-    block_n = block_n or min(block_default(64, 256), next_pow2(split_tokens or 256))
-    split_tokens = split_tokens or max(block_n, 256)
-    check_blocks(device, 16, block_n=block_n)
-    if split_tokens % block_n:
-        raise ValueError(f"split_tokens={split_tokens} must be a multiple of block_n={block_n}")
+    choice = decode_launch(head_dim=head_dim, group=group, dtype=q.dtype, index_dtype=rows.page_table.dtype,
+                           max_context=rows.max_context, interpreted=interpret_mode(), split_tokens=split_tokens,
+                           block_n=block_n, precision=precision)
+    split_tokens = choice.split_tokens
+    check_blocks(device, 16, block_n=choice.split.const("BLOCK_N"))
     if rows.num_rows == 0 or rows.max_context == 0:
         return out
-    splits = triton.cdiv(rows.max_context, split_tokens)
-    d_pad = max(16, next_pow2(head_dim))
-    g_pad = max(16, next_pow2(group))
-    single = splits == 1
-    partial = torch.empty(rows.num_rows, heads, 1 if single else splits, d_pad, dtype=torch.float32, device=device)
+    d_pad = choice.split.const("D_PAD")
+    single = choice.reduce is None
+    partial = torch.empty(rows.num_rows, heads, 1 if single else choice.splits, d_pad, dtype=torch.float32,
+                          device=device)
     ml = torch.empty(partial.shape[:3] + (2,), dtype=torch.float32, device=device)
     so = partial.stride()
-    _decode_split_kernel[(rows.num_rows, num_kv_heads, splits)](
+    _decode_split_kernel[(rows.num_rows, num_kv_heads, choice.splits)](
         q, kv, rows.q_start, rows.q_len, rows.context, rows.page_table, partial, ml, out,
         q.stride(0), q.stride(1), rows.page_table.stride(0), so[0], so[1], so[2], out.stride(0), out.stride(1),
         kv.shape[1], page_tokens, num_kv_heads * head_dim, group, head_dim, window or 0, scale * LOG2E,
-        split_tokens, G_PAD=g_pad, BLOCK_N=block_n, D_PAD=d_pad, SINGLE=single, PRECISION=precision)
-    if single:
+        split_tokens, **choice.split.options)
+    if choice.reduce is None:
         return out
     _decode_reduce_kernel[(rows.num_rows, num_kv_heads)](
         partial, ml, out, rows.q_start, rows.q_len, rows.context, so[0], so[1], so[2],
-        out.stride(0), out.stride(1), group, head_dim, window or 0, split_tokens, G_PAD=g_pad, D_PAD=d_pad)
+        out.stride(0), out.stride(1), group, head_dim, window or 0, split_tokens, **choice.reduce.options)
     return out
 
 

@@ -15,7 +15,15 @@ import triton.language as tl
 
 from loraplex.kernels._jit import MAX, SUM
 from loraplex.kernels.paged_kv import PagedRows, check_attention_args, paged_attention_reference
-from loraplex.kernels.runtime import block_default, check_blocks, check_device, next_pow2
+from loraplex.kernels.runtime import (
+    KernelLaunch,
+    block_default,
+    check_blocks,
+    check_device,
+    interpret_mode,
+    kernel_launch,
+    next_pow2,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -73,6 +81,26 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, q_start_ptr, q_len_ptr, start_pos_pt
              mask=imask[:, None] & dmask[None, :])
 
 
+def prefill_launch(*, head_dim: int, dtype: torch.dtype, index_dtype: torch.dtype, interpreted: bool,
+                   block_m: int | None = None, block_n: int | None = None, precision: str = "ieee") -> KernelLaunch:
+    """The prefill launch for this head size and dtype (q, the pool and out share `dtype`;
+    index_dtype: the row tables')."""
+    d_pad = max(16, next_pow2(head_dim))
+    # Registers a thread (bench/kernel_compile.py): IEEE float32 dots run on FMA units with their operands
+    # in registers; 64 x 64 tiles spilled 17-35 KB a thread there (and head_dim 256 overflowed sm_80's shared
+    # memory), 32 x 32 on 8 warps spill at most 252 B. 16-bit head_dim 256 spilled on 4 warps.
+    fp32 = dtype == torch.float32 and not interpreted
+    block_m = block_m or (32 if fp32 else 64)
+    block_n = block_n or (32 if fp32 else block_default(64, 128, interpreted))
+    warps = 8 if fp32 or d_pad >= 256 else 4
+    return kernel_launch("paged_attention_prefill", "_prefill_kernel",
+                         {"BLOCK_M": block_m, "BLOCK_N": block_n, "D_PAD": d_pad, "PRECISION": precision},
+                         {"q_ptr": dtype, "kv_ptr": dtype, "out_ptr": dtype, "q_start_ptr": index_dtype,
+                          "q_len_ptr": index_dtype, "start_pos_ptr": index_dtype, "ctx_ptr": index_dtype,
+                          "table_ptr": index_dtype}, floats=("qk_scale",),
+                         num_warps=warps)
+
+
 def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, rows: PagedRows, *, num_kv_heads: int,
                             page_tokens: int, window: int | None = None, scale: float | None = None,
                             out: torch.Tensor | None = None, block_m: int | None = None,
@@ -90,17 +118,17 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, rows: PagedRows, 
     if window is not None and window <= 0:
         raise ValueError(f"window must be positive or None, got {window}")
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
-    block_m = block_m or 64
-    block_n = block_n or block_default(64, 128)
-    check_blocks(device, 16, block_m=block_m, block_n=block_n)
+    launch = prefill_launch(head_dim=head_dim, dtype=q.dtype, index_dtype=rows.page_table.dtype,
+                            interpreted=interpret_mode(), block_m=block_m, block_n=block_n, precision=precision)
+    block_m = launch.const("BLOCK_M")
+    check_blocks(device, 16, block_m=block_m, block_n=launch.const("BLOCK_N"))
     if rows.num_rows == 0 or rows.max_q_len == 0:
         return out
     grid = (triton.cdiv(rows.max_q_len, block_m), rows.num_rows, heads)
     _prefill_kernel[grid](q, kv, out, rows.q_start, rows.q_len, rows.start_pos, rows.context, rows.page_table,
                           q.stride(0), q.stride(1), out.stride(0), out.stride(1), rows.page_table.stride(0),
                           kv.shape[1], page_tokens, num_kv_heads * head_dim, group, head_dim, window or 0,
-                          scale * LOG2E, BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=max(16, next_pow2(head_dim)),
-                          PRECISION=precision)
+                          scale * LOG2E, **launch.options)
     return out
 
 

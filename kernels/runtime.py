@@ -7,12 +7,48 @@ imports triton at module import time: callers without triton still import this.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+                torch.int64: "i64"}
+
+
+@dataclass(frozen=True, slots=True)
+class KernelLaunch:
+    """What a launcher chose for one kernel: constexprs, argument types and launch options.
+
+    The launcher launches with it (`kernel[grid](*args, **launch.options)`); the compile check
+    (kernels/launch_space.py) compiles every one the engine can choose. Hashable: it is the
+    compile key, so launches that would build the same binary compare equal.
+    """
+
+    module: str  # the kernels module holding the @triton.jit function, e.g. "lora_gemv"
+    kernel: str  # the function's name
+    constexprs: tuple[tuple[str, object], ...]
+    types: tuple[tuple[str, str], ...]  # non-i32 arguments: pointers ("*bf16") and floats ("fp32")
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def options(self) -> dict[str, object]:
+        return {**dict(self.constexprs), "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def const(self, name: str) -> object:
+        return dict(self.constexprs)[name]
+
+
+def kernel_launch(module: str, kernel: str, constexprs: Mapping[str, object], pointers: Mapping[str, torch.dtype],
+                  *, floats: Sequence[str] = (), num_warps: int = 4, num_stages: int = 3) -> KernelLaunch:
+    """A KernelLaunch from torch dtypes of the pointer arguments; `floats` are fp32 scalars."""
+    types = {name: "*" + TRITON_TYPES[dtype] for name, dtype in pointers.items()}
+    types.update({name: "fp32" for name in floats})
+    return KernelLaunch(module, kernel, tuple(constexprs.items()), tuple(sorted(types.items())), num_warps,
+                        num_stages)
 
 
 def interpret_mode() -> bool:
@@ -87,9 +123,13 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def block_default(gpu: int, interpreted: int) -> int:
-    """A tile size: the GPU's, or a larger one under the interpreter, whose cost is per operation."""
-    return interpreted if interpret_mode() else gpu
+def block_default(gpu: int, interpreted: int, on_interpreter: bool | None = None) -> int:
+    """A tile size: the GPU's, or a larger one under the interpreter, whose cost is per operation.
+
+    on_interpreter: which of the two (None: this process's TRITON_INTERPRET)."""
+    if on_interpreter is None:
+        on_interpreter = interpret_mode()
+    return interpreted if on_interpreter else gpu
 
 
 def check_blocks(device: torch.device, dot_min: int = 1, **blocks: int) -> None:

@@ -48,6 +48,7 @@ SLOW = {  # full-size runs: minutes
     "bench/many_adapters.py --counts 10 1000 --json",
     "bench/prefix_cache.py --json",
     "bench/tp_comm.py --json",
+    "bench/kernel_compile.py --json",
 }
 ELSEWHERE = {  # a GPU, results of a GPU run, or a library installed by hand are needed
     "bench/grammar_mask.py --json",  # llguidance, the library xgrammar is compared with
