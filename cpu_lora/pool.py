@@ -37,6 +37,7 @@ from loraplex.ipc.protocol import (
     Message,
 )
 from loraplex.ipc.runtime_dir import ipc_endpoint
+from loraplex.ipc.socket_options import CHILD_LINK_LIMITS
 from loraplex.ipc.sockets import AsyncTypedSocket, PeerUnavailable, make_router
 
 log = logging.getLogger("loraplex.cpu_lora.pool")
@@ -165,7 +166,7 @@ class CpuWorkerPool:
         """Spawn every worker and wait for all hellos; RuntimeError (pool stopped) if any fails."""
         if self._sock is not None:
             raise RuntimeError("pool already started")
-        self._sock = make_router(self._ctx, self.endpoint)
+        self._sock = make_router(self._ctx, self.endpoint, limits=CHILD_LINK_LIMITS)
         self._receiver = asyncio.create_task(self._receive(self._sock), name="cpu-pool-receiver")
         try:
             for w in self._workers:

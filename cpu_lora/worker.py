@@ -53,6 +53,7 @@ from loraplex.ipc.protocol import (  # noqa: E402
     Message,
 )
 from loraplex.ipc.shm import ShmError  # noqa: E402
+from loraplex.ipc.socket_options import CHILD_LINK_LIMITS  # noqa: E402
 from loraplex.ipc.sockets import TypedSocket, make_dealer  # noqa: E402
 
 log = logging.getLogger("loraplex.cpu_lora.worker")
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     pin_to_core(args.core)
     single_thread_torch()
     ctx = zmq.Context()
-    sock = make_dealer(ctx, args.endpoint)
+    sock = make_dealer(ctx, args.endpoint, limits=CHILD_LINK_LIMITS)
     worker = CpuWorker(args.index, args.core)
     try:
         worker.serve(sock)

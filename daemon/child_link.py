@@ -37,6 +37,7 @@ from loraplex.ipc.heartbeat import HEARTBEAT_FD_FLAG, HeartbeatWatch
 from loraplex.ipc.protocol import EngineFailure, EngineShutdown, Message
 from loraplex.ipc.runtime_dir import ipc_endpoint
 from loraplex.ipc.shm import sweep_stale
+from loraplex.ipc.socket_options import CHILD_LINK_LIMITS
 from loraplex.ipc.sockets import AsyncTypedSocket, make_router
 
 log = logging.getLogger("loraplex.daemon.engine")
@@ -133,7 +134,7 @@ class ChildLink:
         for its hello; then, with spares on, spawn the next spare in the background."""
         await self._stop_child()
         sweep_stale()  # a dead engine's segments must go before the new one creates its own
-        self._sock = make_router(self._ctx, self.endpoint)
+        self._sock = make_router(self._ctx, self.endpoint, limits=CHILD_LINK_LIMITS)
         self.hello = None  # until this process says hello
         spare = await self._take_spare()
         if spare is not None:

@@ -28,7 +28,7 @@ from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.heartbeat import HEARTBEAT_FD_FLAG, start_beating
 from loraplex.ipc.protocol import EngineFailure
 from loraplex.ipc.shm import unlink_owned
-from loraplex.ipc.socket_options import DEFAULT_SOCKET_LIMITS
+from loraplex.ipc.socket_options import CHILD_LINK_LIMITS
 from loraplex.ipc.sockets import TypedSocket, make_dealer
 from loraplex.lifetime import die_with_parent
 from loraplex.contracts.settings import ConfigError
@@ -56,7 +56,7 @@ def run_child(role: str, what: str, argv: list[str] | None, start: Callable[[Eng
     ctx = zmq.Context()
     # A linger, so that a start failure sent just before exiting is not dropped with the socket
     # (the daemon then knew only "exited with status 2", not why).
-    sock = make_dealer(ctx, args.endpoint, limits=dataclasses.replace(DEFAULT_SOCKET_LIMITS, linger_ms=LINGER_MS))
+    sock = make_dealer(ctx, args.endpoint, limits=dataclasses.replace(CHILD_LINK_LIMITS, linger_ms=LINGER_MS))
     try:
         try:
             spec = EngineSpec.from_json(args.spec)

@@ -85,6 +85,12 @@ class SocketLimits:
 
 
 DEFAULT_SOCKET_LIMITS = SocketLimits()
+# The private ipc:// links between the daemon and the children it starts (engines, the cache
+# manager, CPU workers): each child's liveness is its heartbeat pipe's job. ZMTP heartbeats there
+# dropped the connection of a side paused past their timeout (a SIGSTOPped daemon, a long stall of
+# a loaded host); the child then reconnected under a new routing id and the daemon's next order
+# went to the old one, unanswered, until the step deadline killed a healthy engine.
+CHILD_LINK_LIMITS = SocketLimits(heartbeat_ivl_ms=0)
 
 
 def configure(sock: zmq.Socket, kind: SocketKind, limits: SocketLimits) -> None:

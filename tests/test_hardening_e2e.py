@@ -7,7 +7,8 @@ real daemon:
   an adapter larger than the host store are refused at add, quickly, with a
   clear code, never quoting the file;
 - a slow add (its cache manager stopped) holds up neither ping nor list, and the
-  CLI never writes the registry behind a daemon that exists but does not answer;
+  CLI never writes the registry behind a daemon that exists but does not answer; a daemon paused
+  past its sockets' heartbeat timeout still reaches its engine;
 - a second daemon on another base model, sharing the state directory, sees none
   of the first one's adapters;
 - a drain that times out exits 3 naming what it failed; a SIGKILLed daemon leaves
@@ -166,6 +167,19 @@ def test_the_cli_never_writes_the_registry_behind_a_daemon_that_does_not_answer(
     with sqlite3.connect(daemon.state_dir / "registry.sqlite3") as db:  # under no model's scope either
         assert db.execute("SELECT COUNT(*) FROM adapters WHERE name = 'behind'").fetchone()[0] == 0
     assert "behind" not in _listed(daemon)
+
+
+def test_a_daemon_paused_past_the_socket_heartbeat_timeout_still_reaches_its_engine(daemon):
+    """SIGSTOP longer than a ZMTP heartbeat timeout (5 s): the engine's link must survive it. With
+    heartbeats on that link the engine reconnected under a new routing id and the next step order
+    went unanswered (this module failed in CI whenever the CLI test above stopped the daemon 5 s)."""
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(6.5)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    with daemon.client() as client:
+        assert len(client.generate([5, 6, 7], max_tokens=2, ignore_eos=True, timeout=20).token_ids) == 2
 
 
 def test_stats_summarise_the_tiers_and_the_list_filters_by_tier(daemon):
