@@ -222,10 +222,16 @@ class EngineSupervisor:
 
     async def load(self, entry: AdapterEntry, *, keep_resident: bool) -> None:
         """Every running engine takes the adapter from the host store; keep_resident: the same content
-        as an engine's copy, whose GPU pages stay."""
+        as an engine's copy, whose GPU pages stay. An engine lost meanwhile (before or during its
+        load) is skipped: its restart loads every adapter the store holds (EngineSlot.bring_up),
+        and the requests for it wait for that, never failing for it."""
         for slot in self.slots:
             if slot.link.alive() and slot.hello is not None:
-                await slot.load_adapter(entry, keep_resident=keep_resident)
+                try:
+                    await slot.load_adapter(entry, keep_resident=keep_resident)
+                except EngineDied as exc:
+                    log.warning("engine %d lost while loading %s (%s); it loads it when it is back",
+                                slot.index, entry.name, exc)
 
     async def unload(self, name: str) -> None:
         for slot in self.slots:

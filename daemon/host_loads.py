@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from enum import Enum
 
 from loraplex.daemon.adapter_identity import AdapterIdentity
 from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
@@ -23,6 +24,13 @@ from loraplex.ipc.errors import ErrorCode
 
 log = logging.getLogger("loraplex.daemon.host")
 ROOM_RECHECK_S = 2.0  # a request held for host room retries at least this often
+CHILD_RETRY_S = 0.5  # a load that met a child between starts is tried again this soon
+
+
+class _Attempt(Enum):
+    DONE = "done"  # the held requests were routed, or failed with why
+    NO_ROOM = "no_room"  # the store is full of adapters in use: tried again when a request leaves
+    RESTARTING = "restarting"  # the cache manager died under the load: tried again once it is back
 
 
 class HostLoader:
@@ -65,8 +73,12 @@ class HostLoader:
                     await self._fail(name, ErrorCode.UNKNOWN_ADAPTER, f"adapter {name!r} was removed")
                     return
                 self.requests.departed.clear()
-                if not await self._try_load(entry):
+                outcome = await self._try_load(entry)
+                if outcome == _Attempt.DONE:
                     return
+                if outcome == _Attempt.RESTARTING:  # the cache manager is restarting: no departure is needed
+                    await asyncio.sleep(CHILD_RETRY_S)
+                    continue
                 log.info("host store full of adapters in use; %s waits for a request to finish", name)
                 try:  # bounded: another waiter's clear() may have swallowed the departure meant for us
                     await asyncio.wait_for(self.requests.departed.wait(), ROOM_RECHECK_S)
@@ -75,16 +87,18 @@ class HostLoader:
         finally:
             self._loads.pop(name, None)
 
-    async def _try_load(self, entry: AdapterEntry) -> bool:
-        """One attempt: False when the held requests were routed or failed, True when the store
-        has no room yet."""
+    async def _try_load(self, entry: AdapterEntry) -> _Attempt:
+        """One attempt to bring `entry` into the host store for its held requests (_Attempt says
+        what came of it). A cache manager that died under the load is being restarted: the
+        requests wait for it, bounded by their own deadlines, and never fail for it (an engine
+        lost meanwhile is no reason to wait either, see EngineSupervisor.load)."""
         name = entry.name
         try:
             await self.identity.ensure_identified(entry)  # off the lock: a slow file holds up no other load
         except Rejected as exc:
             entry.failed(exc.message)
             await self._fail(name, ErrorCode(exc.code), f"adapter {name!r} cannot be loaded: {exc.message}")
-            return False
+            return _Attempt.DONE
         try:
             async with self.host.lock:
                 admitted = await self.host.admit(entry, evict=True)
@@ -94,21 +108,21 @@ class HostLoader:
             entry.failed(str(exc))  # listed as `error` with its reason; new requests are refused at once
             code = ErrorCode.FORBIDDEN_PATH if exc.code == ErrorCode.FORBIDDEN_PATH.value else ErrorCode.INVALID_ADAPTER
             await self._fail(name, code, f"adapter {name!r} cannot be loaded: {exc}")
-            return False
+            return _Attempt.DONE
         except EngineDied as exc:
-            await self._fail(name, ErrorCode.UNAVAILABLE, f"the cache manager is unavailable: {exc}")
-            return False
+            log.warning("loading %s met the cache manager between starts (%s); its requests wait", name, exc)
+            return _Attempt.RESTARTING
         if entry.state != "ready":
             await self._fail(name, ErrorCode.INVALID_ADAPTER, entry.error or "the engine refused it")
-            return False
+            return _Attempt.DONE
         if admitted:
             self.held.release(name)
-            return False
+            return _Attempt.DONE
         if self.host.never_fits(entry):
             entry.failed(self.host.too_large_message(entry))
             await self._fail(name, ErrorCode.TOO_LARGE, entry.error)
-            return False
-        return True
+            return _Attempt.DONE
+        return _Attempt.NO_ROOM
 
     async def _fail(self, name: str, code: ErrorCode, message: str) -> None:
         self.host.tier.failures += 1

@@ -144,3 +144,25 @@ def test_a_stopped_cache_manager_mid_load_is_replaced_by_heartbeat_and_requests_
     assert now["pid"] != tier["pid"] and now["alive"] and now["restarts"] == tier["restarts"] + 1, now
     assert "no heartbeat" in daemon.log() and took < 30, took
     assert asyncio.run(_generate(daemon, prompts, adapters, concurrent=False)) == expected
+
+
+def test_an_engine_lost_under_a_disk_load_fails_none_of_the_requests_waiting_for_it(daemon, reference):
+    """Issue 31.4: requests waiting for adapters on disk got `[unavailable] the cache manager is
+    unavailable: engine is not running` when the engine died (or missed its heartbeat on a starved
+    host) while the loaded adapter was handed to it. The engine is stopped before the requests, so
+    every disk load reaches it stopped; its heartbeat gets it replaced and every request completes."""
+    prompts, adapters, expected = reference
+    stats = _stats(daemon)
+    engine, tier = stats["engine"], stats["host_tier"]
+    assert [a for a in adapters if a not in tier["resident"]], tier  # some request needs a disk load
+    os.kill(engine["pid"], signal.SIGSTOP)
+    try:
+        assert asyncio.run(_generate(daemon, prompts, adapters, concurrent=True)) == expected
+    finally:
+        try:
+            os.kill(engine["pid"], signal.SIGKILL)  # cleanup only: the daemon has killed it already
+        except ProcessLookupError:
+            pass
+    now = _stats(daemon)
+    assert now["engine"]["pid"] != engine["pid"] and now["errors"] == stats["errors"], now
+    assert "cache manager is unavailable" not in daemon.log()
