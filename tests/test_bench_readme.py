@@ -27,12 +27,12 @@ CHEAP = {  # a few seconds each on 2 busy cores
     "bench/page_waste.py --json",
     "bench/page_waste.py --page-tokens 8 32",
     "bench/plan_codec.py --json",
-    "bench/cache_policies.py --json",
     "bench/kernels.py --device cpu --interpret --small --json",
     "bench/prefix_cache.py --quick --json",
     "bench/tp_comm.py --tp 2 --measure-tp 0",
 }
 SLOW = {  # full-size runs: minutes
+    "bench/cache_policies.py --json",  # 33 s on 2 busy cores; tests/test_bench_cache.py runs it smaller
     "bench/daemon_overhead.py --json",
     "bench/daemon_overhead.py --json --stub-only --stub-step-ms 5 20 --batch 1 64 256 --context 2048",
     "bench/engine_throughput.py --json",

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,19 @@ def test_without_cuda_a_real_run_refuses_instead_of_running_at_full_size(tmp_pat
                            str(tmp_path)], capture_output=True, text=True, timeout=120, check=False, env=env)
     assert proc.returncode == 2 and "--dry-run" in proc.stderr
     assert not (tmp_path / "kernels.json").exists()
+
+
+def test_a_timed_out_item_takes_its_whole_process_group_with_it(harness, tmp_path: Path) -> None:
+    """A bench script's daemons outlived its deadline (only the direct child was killed)."""
+    harness = harness[0]
+    pid_file = tmp_path / "grandchild.pid"
+    script = ("import subprocess, sys, time; "
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        harness.run_as_group([sys.executable, "-c", script], env=dict(os.environ), timeout_s=3)
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{grandchild}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # killed; its parent is gone, so init reaps it
+    assert not Path(f"/proc/{grandchild}").exists() or "Z" in Path(f"/proc/{grandchild}/stat").read_text().split()[2]

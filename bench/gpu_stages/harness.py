@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +25,32 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 TAIL_CHARS = 3000  # of a failed child's stderr kept in the JSON
 RESERVE_S = 10.0  # kept back from every item's deadline for writing the report
+
+
+def run_as_group(cmd: list[str], *, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+    """subprocess.run in a session of its own: past the deadline the whole process group is
+    killed, not only the direct child (a bench script's daemons and engines outlived it, still
+    holding the GPU and the CPUs for the steps after)."""
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          stdin=subprocess.DEVNULL, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout_s, output=out, stderr=err) from None
+        except BaseException:
+            _kill_group(proc.pid)
+            raise
+        _kill_group(proc.pid)  # what the child left running in its group goes with it
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 @dataclass(slots=True)
@@ -110,8 +137,7 @@ class StageContext:
         log(f"[{self.stage}] {name}: {shown} (deadline {timeout:.0f} s)")
         started = time.monotonic()
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=self.child_env(), capture_output=True, text=True,
-                                  timeout=timeout, check=False, stdin=subprocess.DEVNULL)
+            proc = run_as_group(cmd, env=self.child_env(), timeout_s=timeout)
         except subprocess.TimeoutExpired as exc:
             err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
             self._record(name, "failed", started, f"timed out after {timeout:.0f} s: {err[-TAIL_CHARS:]}", {},
