@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from loraplex.cluster.catalog import Catalog
+from loraplex.cluster.loopback import confine_serve_replica
 
 STALE_S = 10.0
 MAX_REPLICAS_TRACKED = 4096
@@ -16,6 +17,7 @@ MAX_REPLICAS_TRACKED = 4096
 
 class Board:
     def __init__(self) -> None:
+        confine_serve_replica()
         self._reports: dict[str, tuple[float, dict[str, Any], dict[str, Any]]] = {}
         self._catalog = Catalog()
 

@@ -60,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"loraplex cluster serve: error: {exc}", file=sys.stderr)
         return 2
+    if args.address is None:
+        from loraplex.cluster.loopback import prepare_local_ray
+
+        prepare_local_ray()  # before Ray is first imported: it reads that environment then
     try:
         import ray  # noqa: F401
         from ray import serve  # noqa: F401

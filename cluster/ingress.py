@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from loraplex.cluster.config import ClusterConfig
+from loraplex.cluster.loopback import confine_serve_replica
 from loraplex.cluster.placement import SPREAD_QUEUE, Placement
 from loraplex.cluster.remote import ClusterAdmin, ClusterClient, QueueMover
 from loraplex.cluster.resolver import AdapterResolver
@@ -30,6 +31,7 @@ _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "traile
 
 class Ingress:
     async def __init__(self, replicas: Any, board: Any, config: Mapping[str, Any]) -> None:
+        confine_serve_replica()
         cluster = ClusterConfig.from_dict(config)
         gateway = GatewayConfig(host="127.0.0.1", port=0, served_model_name=cluster.served_model_name,
                                 enable_adapter_admin=cluster.enable_adapter_admin)

@@ -18,6 +18,7 @@ from loraplex.cluster import wire
 from loraplex.cluster.config import ClusterConfig
 from loraplex.cluster.daemon_child import DaemonChild
 from loraplex.cluster.disk_tier import DiskTier
+from loraplex.cluster.loopback import confine_serve_replica
 from loraplex.cluster.replica_adapters import ReplicaAdapters
 from loraplex.cluster.stats import Flight, FlightTable, routing_stats
 from loraplex.ipc.client import AsyncAdminClient, AsyncClient, LoraplexError
@@ -33,6 +34,7 @@ DEFAULT_MAX_TOKENS = 64  # AsyncClient.stream's default
 
 class LoraplexReplica:
     async def __init__(self, config: Mapping[str, Any], board: Any = None) -> None:
+        confine_serve_replica()
         self.config = ClusterConfig.from_dict(config)
         self._board = board
         self._daemon = DaemonChild(config=self.config.daemon_config, args=self.config.daemon_args,

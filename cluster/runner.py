@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 
+from loraplex.cluster import loopback
 from loraplex.cluster.config import APP_NAME, ClusterConfig
 
 log = logging.getLogger("loraplex.cluster")
@@ -16,6 +17,9 @@ OBJECT_STORE_BYTES = 128 << 20  # a local cluster moves only small messages
 
 
 def serve_until_stopped(config: ClusterConfig, *, address: str | None, num_cpus: int, log_level: str = "info") -> int:
+    local = address is None
+    if local:
+        loopback.prepare_local_ray()  # before Ray is first imported here (the CLI does it earlier)
     import ray
     from ray import serve
 
@@ -23,12 +27,13 @@ def serve_until_stopped(config: ClusterConfig, *, address: str | None, num_cpus:
 
     logging.basicConfig(level=log_level.upper(), format="loraplex-cluster %(levelname)s %(message)s", stream=sys.stderr)
     stop = threading.Event()
-    local = address is None
     previous: dict[int, object] = {}
     try:
-        if local:  # loopback only, no dashboard, a small object store
-            ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
-                     _node_ip_address="127.0.0.1", logging_level=log_level.upper(), configure_logging=False)
+        if local:  # a new cluster, every process on loopback, no dashboard, a small object store
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                     object_store_memory=OBJECT_STORE_BYTES, _node_ip_address=loopback.LOOPBACK,
+                     logging_level=log_level.upper(), configure_logging=False)
+            loopback.confine_local_ray()
         else:
             ray.init(address=address, logging_level=log_level.upper(), configure_logging=False)
         # After ray.init: Ray's core worker installs its own fatal-signal handler, which would

@@ -3,10 +3,12 @@ replicas on the CPU demo model, started once for the module as a subprocess, dri
 official `openai` client and plain HTTP: greedy text equals a single daemon's, /metrics carries
 the vLLM families Kubernetes routers read, requests for one adapter stay on the replica that
 holds it, a killed replica daemon fails its requests loudly (none hangs or ends silently) and
-is replaced, and SIGTERM tears everything down with exit 0 and no process left behind.
+is replaced, every process of the cluster listens on loopback only (and no dashboard runs), and
+SIGTERM tears everything down with exit 0 and no process left behind.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -338,6 +340,54 @@ def test_a_killed_replica_process_takes_its_daemon_and_no_request_silently(clust
     assert not _alive(daemon_pid), "the dead replica's daemon was left running"
     _wait_replaced(cluster, daemon_pid)
     assert [_stream_outcome(cluster, m, 6) for m in (adapter, BASE)] == ["done", "done"]
+
+
+def _is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%", 1)[0])
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 (a dual-stack socket)
+    return (mapped or address).is_loopback
+
+
+def _kind(argv: list[str]) -> str:
+    """gcs_server, raylet, ray::ProxyActor (a worker's title, less its current method), or the
+    script or module a Python process runs (monitor.py, dashboard.py, loraplex.cli, ...)."""
+    if not argv:
+        return ""
+    name = Path(argv[0]).name
+    if not name.startswith("python"):
+        return name.split(".", 1)[0] if name.startswith("ray::") else name
+    rest = [a for a in argv[1:] if not a.startswith("-") or a == "-m"]
+    if rest[:1] == ["-m"] and len(rest) > 1:
+        return rest[1]
+    return Path(rest[0]).name if rest else name
+
+
+def test_the_local_ray_cluster_listens_on_loopback_only(cluster: Cluster) -> None:
+    """Every process of the local cluster (GCS, raylet, its agents, the autoscaler monitor, each
+    worker: Serve's controller, proxy and replicas, and the daemons below them) listens on
+    loopback only, and no Ray dashboard runs."""
+    psutil = pytest.importorskip("psutil")
+    seen, exposed, dashboards = set(), [], []
+    for pid in sorted(_descendants(cluster.proc.pid) | {cluster.proc.pid}):
+        try:
+            proc = psutil.Process(pid)
+            argv = proc.cmdline()
+            sockets = proc.net_connections(kind="inet")
+        except psutil.Error:
+            continue  # gone meanwhile (a worker Ray let go)
+        kind = _kind(argv) or proc.name()
+        seen.add(kind)
+        name = f"{kind} (pid {pid})"
+        if any(a.endswith(os.path.join("dashboard", "dashboard.py")) for a in argv):
+            dashboards.append(name)
+        for s in sockets:  # a TCP listener, or a UDP socket bound without a peer
+            if (s.status == psutil.CONN_LISTEN or (s.type == socket.SOCK_DGRAM and not s.raddr)) \
+                    and not _is_loopback(s.laddr.ip):
+                exposed.append(f"{name}: {s.laddr.ip}:{s.laddr.port}")
+    assert {"gcs_server", "raylet", "ray::ServeController", "ray::ProxyActor",
+            "ray::ServeReplica:loraplex:LoraplexReplica"} <= seen, sorted(seen)
+    assert not exposed, f"listening beyond loopback: {exposed}"
+    assert not dashboards, f"a Ray dashboard runs: {dashboards}"
 
 
 def test_sigterm_tears_everything_down(cluster: Cluster) -> None:

@@ -1,6 +1,7 @@
 """The cluster's pure parts, without Ray running: placement (the daemon's rank-aware policy
 plus adapter affinity over replicas' routing stats), the cluster-wide stats sum, the wire
-conversions, the settings, and that the cluster package never imports torch."""
+conversions, the settings, that a replica on a loopback node keeps Serve's gRPC server there,
+and that the cluster package never imports torch."""
 from __future__ import annotations
 
 import random
@@ -152,6 +153,33 @@ def test_the_cluster_package_never_imports_torch() -> None:
     code = ("import sys, loraplex.cluster.app, loraplex.cluster.router, loraplex.cluster.cli; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_a_replica_on_a_loopback_node_binds_serves_grpc_server_there(monkeypatch) -> None:
+    pytest.importorskip("ray.serve")
+    import ray
+    from ray.serve._private import replica
+
+    from loraplex.cluster.loopback import confine_serve_replica
+
+    bound: list[str] = []
+
+    def add(server, address: str) -> int:
+        bound.append(address)
+        return 1
+
+    monkeypatch.setattr(replica, "add_port_to_grpc_server", add)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.1.2.3")
+    confine_serve_replica()  # a node others reach: Serve's own binding stays
+    assert replica.add_port_to_grpc_server is add
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    confine_serve_replica()
+    confine_serve_replica()  # once per process, however many constructors call it
+    assert replica.add_port_to_grpc_server(None, "[::]:0") == 1
+    replica.add_port_to_grpc_server(None, "[::]:7001")
+    replica.add_port_to_grpc_server(None, "127.0.0.2:5")
+    assert bound == ["127.0.0.1:0", "127.0.0.1:7001", "127.0.0.2:5"]
 
 
 class _FakeGen:
