@@ -11,7 +11,7 @@ from typing import Any
 
 from loraplex.ipc.client_calls import GENERATE_OPTIONS, generate_request
 from loraplex.ipc.client_types import Choice, GenerateResult, StreamChunk
-from loraplex.ipc.protocol import TopLogprobs
+from loraplex.ipc.protocol import PromptLogprobs, TopLogprobs
 from loraplex.ipc.errors import ErrorCode, LoraplexError
 
 
@@ -66,7 +66,11 @@ def to_chunk(raw: Mapping[str, Any]) -> StreamChunk:
 def to_result(raw: Mapping[str, Any]) -> GenerateResult:
     """A result from its event, its choices and top logprobs rebuilt as records."""
     choices = [Choice(**{**c, "top_logprobs": _top(c.get("top_logprobs"))}) for c in raw.get("choices", ())]
-    return GenerateResult(**{**raw, "top_logprobs": _top(raw.get("top_logprobs")), "choices": choices})
+    scored = raw.get("prompt_logprobs")
+    if scored is not None:
+        scored = PromptLogprobs(**{**scored, "top": _top(scored.get("top"))})
+    return GenerateResult(**{**raw, "top_logprobs": _top(raw.get("top_logprobs")), "choices": choices,
+                             "prompt_logprobs": scored})
 
 
 def to_error(raw: Mapping[str, Any]) -> LoraplexError:

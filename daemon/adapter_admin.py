@@ -153,7 +153,8 @@ class AdapterAdmin:
         return entry is None or await self.identity.changed(entry, path)
 
     # ---- remove, pin, list -----------------------------------------------------------------------
-    async def remove(self, name: str) -> None:
+    def check_removable(self, name: str) -> None:
+        """Rejected unless `remove(name)` would go ahead now (the registry is changed first, then memory)."""
         entry = self.adapters.get(name)
         if entry is None:
             raise Rejected(ErrorCode.NOT_FOUND, f"unknown adapter {name!r}")
@@ -162,6 +163,9 @@ class AdapterAdmin:
         users = self.requests.users(name)
         if users:
             raise Rejected(ErrorCode.INVALID_FIELD, f"adapter {name!r} is used by {len(users)} requests in flight")
+
+    async def remove(self, name: str) -> None:
+        self.check_removable(name)
         self.adapters.pop(name)
         await self.engines.unload(name)
         if self.host is not None:  # after the engines: none may read a freed extent

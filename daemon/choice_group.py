@@ -50,6 +50,6 @@ class ChoiceGroup:
         usage = dict(first.usage)
         usage["completion_tokens"] = sum(r.usage["completion_tokens"] for r in replies)
         return DoneReply(request_id=first.request_id, finish_reason=first.finish_reason, usage=usage, timings=timings,
-                         token_ids=list(first.token_ids), text=first.text,
+                         token_ids=list(first.token_ids), text=first.text, prompt_logprobs=first.prompt_logprobs,
                          choices=[ChoiceOutcome(index=i, finish_reason=r.finish_reason, token_ids=list(r.token_ids),
                                                 text=r.text) for i, r in enumerate(replies)])

@@ -248,11 +248,28 @@ class ServerSettings:
     adapter_read_timeout_s: float = field(default=30.0, metadata=_help(
         "Seconds the daemon waits for an adapter's files to be read (hashed) before refusing it; a slow or "
         "hung filesystem never blocks the admin socket, only the one add that reads from it."))
+    # ---- structured output --------------------------------------------------------------------------
+    grammar_compile_timeout_s: float = field(default=5.0, metadata=_help(
+        "Seconds of CPU time a structured-output grammar may take to compile (in a low-priority worker "
+        "process, off the engines' steps, while its request waits in the queue; a busy host may stretch the "
+        "wait to 4x this + 5 s); past it the request fails with grammar_too_complex (400)."))
+    grammar_compile_memory_mb: int = field(default=1024, metadata=_help(
+        "Memory (MiB of address space) one grammar compile may take beyond the worker's own; past it the "
+        "request fails with grammar_too_complex."))
+    grammar_compile_workers: int = field(default=1, metadata=_help(
+        "Grammar compile worker processes (`loraplex-grammar`, started with the first structured-output "
+        "request): how many new grammars compile at once."))
 
     def __post_init__(self) -> None:
         checks = Checks(self, "server.")
         checks.types()
         checks.finite("adapter_read_timeout_s", low=0.0, low_open=True)
+        checks.finite("grammar_compile_timeout_s", low=0.0, high=3600.0, low_open=True)
+        checks.positive("grammar_compile_memory_mb")
+        if self.grammar_compile_memory_mb > 1 << 24:
+            checks.fail("grammar_compile_memory_mb", "server.grammar_compile_memory_mb must be <= 16777216 (16 TiB), "
+                                                     f"got {self.grammar_compile_memory_mb}")
+        checks.positive("grammar_compile_workers")
         for name in ("runtime_dir", "state_dir"):
             checks.path(name)
         if self.tcp_listen is not None:

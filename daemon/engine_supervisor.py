@@ -69,7 +69,8 @@ class EngineSupervisor:
         hello = await slot.bring_up(self.adapters, self.controls.policy, self.controls.cache_policy,
                                     self.config.model.load_groups)
         self.hello = self.hello or hello
-        self.stats.link_bytes_per_s = hello.link_bytes_per_s
+        # A PCIe figure only with a GPU: on the CPU the engine's link rate is a memcpy (cpu_assist plans with it).
+        self.stats.link_bytes_per_s = hello.link_bytes_per_s if hello.device.startswith("cuda") else None
         self.load_mode = hello.load_mode
         if self.load_mode == "cpu_assist":
             await self._start_cpu_assist(hello)

@@ -1,8 +1,9 @@
 """`loraplex serve` / `loraplexd`: run the daemon in the foreground until
 SIGTERM or SIGINT, then drain in-flight requests and exit 0.
 
-Owns process-level setup: runtime directory, sockets, registry, the child
-process links, signal handling and clean removal of socket files.
+Owns process-level setup: runtime directory, the state directory's lock (one
+daemon per base model there), the registry (checked before it is opened), sockets,
+the child process links, signal handling and clean removal of socket files.
 """
 from __future__ import annotations
 
@@ -11,21 +12,26 @@ import logging
 import signal
 import sqlite3
 import sys
+from pathlib import Path
 from typing import Callable
 
 import zmq.asyncio
 
 from loraplex.daemon.access import AccessError, set_socket_modes, warn_plain_tcp
 from loraplex.daemon.adapter_hash import fingerprint_to_text
+from loraplex.daemon.adapter_table import AdapterEntry
 from loraplex.daemon.cache_link import CacheManagerLink
 from loraplex.daemon.child_link import EngineDied, EngineRefused
 from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.engine_link import EngineLink
+from loraplex.daemon.grammar_link import GrammarWorkerLink
 from loraplex.daemon.model_scope import ModelScopeError, model_scope
-from loraplex.daemon.registry import AdapterRegistry, RegistryError
+from loraplex.daemon.registry import AdapterRegistry, RegistryError, RegistrySchemaError, ensure_state_dir
+from loraplex.daemon.registry_check import check_registry
 from loraplex.daemon.reload import claim_unscoped, entry_of, register_startup_adapters, reload
 from loraplex.daemon.replicas import build_router
 from loraplex.daemon.sdnotify import Notifier
+from loraplex.daemon.state_lock import StateLock
 from loraplex.daemon.server import Dispatcher, Listener, probe_quiet_clients, publish_stats
 from loraplex.daemon.serving import ServingCore
 from loraplex.ipc.codec import DecodeLimits
@@ -56,13 +62,14 @@ async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = No
         return 2
     runtime_dir = ensure_runtime_dir(config.server.resolved_runtime_dir)
     eps = endpoints(runtime_dir)
-    registry = AdapterRegistry(config.server.registry_path, model=scope)
-    log.info("adapter registry %s, scope %s (this base model's adapters only)", config.server.registry_path, scope)
+    lock = StateLock.for_daemon(_state_dir(config), scope)  # StateDirLocked (an OSError): serve says whose
     try:
-        register_startup_adapters(config, registry)
-    except (RegistryError, ValueError) as exc:
-        log.error("cannot register startup adapters: %s", exc)
-        registry.close()
+        registry = _open_registry(config, scope)
+    except BaseException as exc:
+        lock.release()
+        if not isinstance(exc, CannotStart):
+            raise
+        log.error("%s", exc)
         return 2
     ctx = zmq.asyncio.Context()
     sockets = _Sockets()
@@ -82,7 +89,38 @@ async def run_daemon(config: LoraplexConfig, *, ready: asyncio.Event | None = No
         ctx.term()
         registry.close()
         sweep_stale()  # segments of an engine that was killed rather than stopped
+        lock.release()  # last: the next daemon on this state directory may start now
         log.info("stopped")
+
+
+def _state_dir(config: LoraplexConfig) -> Path:
+    state_dir = config.server.resolved_state_dir
+    ensure_state_dir(state_dir)
+    return state_dir
+
+
+def _open_registry(config: LoraplexConfig, scope: str) -> AdapterRegistry:
+    """The registry (checked sound first, so a damaged file stops the start with one line and the way
+    out) with the configured startup adapters registered; CannotStart when it cannot be."""
+    path = config.server.registry_path
+    report = check_registry(path)
+    if not report.ok:
+        more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
+        fix = "" if report.newer_schema else (
+            "; `loraplex registry check` lists the problems, `loraplex registry repair` keeps a backup of the file "
+            "and rewrites the entries that are still valid")
+        raise CannotStart(f"adapter registry {path} cannot be used: {report.problems[0]}{more}{fix}")
+    try:
+        registry = AdapterRegistry(path, model=scope)
+    except (sqlite3.Error, RegistrySchemaError) as exc:
+        raise CannotStart(f"adapter registry {path} cannot be opened: {exc}") from None
+    log.info("adapter registry %s, scope %s (this base model's adapters only)", path, scope)
+    try:
+        register_startup_adapters(config, registry)
+    except (RegistryError, ValueError, sqlite3.Error) as exc:
+        registry.close()
+        raise CannotStart(f"cannot register startup adapters: {exc}") from None
+    return registry
 
 
 def _model_scope(config: LoraplexConfig) -> str:
@@ -185,8 +223,15 @@ class _Daemon:
             return CpuWorkerPool(ctx, runtime_dir, num_workers=config.server.cpu_workers,
                                  heartbeat_timeout_s=config.server.heartbeat_timeout_s)
 
+        def make_grammar_worker(index: int) -> GrammarWorkerLink:  # structured output's compiles (grammar_gate.py)
+            server = config.server
+            return GrammarWorkerLink(ctx, runtime_dir, config.engine_spec(instance_id(runtime_dir)), index=index,
+                                     start_timeout_s=server.engine_start_timeout_s,
+                                     heartbeat_timeout_s=server.heartbeat_timeout_s)
+
         self.core = ServingCore(config, engines, send=lambda ident, msg: self.dispatcher.send(ident, msg),
-                                make_cpu_pool=make_cpu_pool, cache=cache)
+                                make_cpu_pool=make_cpu_pool, cache=cache,
+                                make_grammar_worker=make_grammar_worker if cache is not None else None)
         self.dispatcher = Dispatcher(self.core, self.registry, config.server.adapter_dirs, self.sockets.listeners,
                                      on_drain=self.request_stop)
         self._install_signal_handlers()
@@ -217,14 +262,20 @@ class _Daemon:
                  self.config.model.model or "built-in demo")
         self.notifier.status("loading the model")
         self.notifier.extend_timeout(self.config.server.engine_start_timeout_s + 30)
-        core.identity.on_identified = lambda e: registry.record_identity(e.name, e.content_hash,
-                                                                         fingerprint_to_text(e.fingerprint))
+        core.identity.on_identified = self._record_identity
         try:
             await core.start([entry_of(r) for r in registry.list()])
         except (EngineDied, EngineRefused) as exc:
             log.error("the engine could not start: %s", exc)
             return False
         return True
+
+    def _record_identity(self, entry: AdapterEntry) -> None:
+        """What a lazy load read of the files: a cache for the next start, so serving never waits on it."""
+        try:
+            self.registry.record_identity(entry.name, entry.content_hash, fingerprint_to_text(entry.fingerprint))
+        except sqlite3.Error as exc:
+            log.warning("adapter %s: content hash not recorded in the registry: %s", entry.name, exc)
 
     def _start_tasks(self) -> None:
         core, dispatcher = self.core, self.dispatcher

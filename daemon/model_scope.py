@@ -17,11 +17,12 @@ import os
 import stat
 from pathlib import Path
 
+from loraplex.contracts.demo import DEMO_ENV
+
 # The config.json fields an adapter's fit depends on (absent ones hash as null).
 ARCHITECTURE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size",
                        "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
 MAX_MODEL_CONFIG_BYTES = 4 << 20
-DEMO_ENV = "LORAPLEX_DEMO"  # the same variable gpu_engine.demo reads (not imported: that pulls in torch)
 
 
 class ModelScopeError(ValueError):

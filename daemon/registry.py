@@ -171,7 +171,7 @@ class AdapterRegistry:
             raise ValueError(f"registry model scope must be a string of at most {MAX_NAME_LEN} chars, got {model!r}")
         self.db_path = Path(db_path)
         self.model = model
-        _ensure_private_dir(self.db_path.parent)
+        ensure_state_dir(self.db_path.parent)
         _precreate_private_file(self.db_path)
         self._conn: sqlite3.Connection | None = sqlite3.connect(
             self.db_path, timeout=busy_timeout_s, isolation_level=None
@@ -297,6 +297,18 @@ class AdapterRegistry:
             with self._transaction() as db:
                 db.executemany("UPDATE adapters SET uses = uses + ? WHERE model = ? AND name = ?", rows)
 
+    def restore(self, record: AdapterRecord) -> None:
+        """Put `record` back as it was (every field), in this model's scope: undoes a change the
+        serving core then refused (daemon/adapter_changes.py)."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO adapters (model, name, path, rank, target_modules, pinned, added_at, source, "
+                "content_hash, fingerprint, uses) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (self.model, record.name, record.path, record.rank, json.dumps(list(record.target_modules)),
+                 int(record.pinned), record.added_at, record.source, record.content_hash, record.fingerprint,
+                 record.uses),
+            )
+
     def claim(self, name: str) -> AdapterRecord | None:
         """Move the unscoped row `name` into this model's scope; None if there is none, or this
         model already has an adapter of that name (the unscoped row then stays for another)."""
@@ -387,7 +399,7 @@ def _check_modules(target_modules: Iterable[str]) -> tuple[str, ...]:
     return modules
 
 
-def _ensure_private_dir(path: Path) -> None:
+def ensure_state_dir(path: Path) -> None:
     """Create the state directory 0700 if missing; refuse one that others could write into
     (they could then point adapter names at files of their choosing)."""
     if not path.exists():

@@ -8,6 +8,7 @@ are never dropped.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 from typing import Callable
 
@@ -96,7 +97,11 @@ async def claim_unscoped(core: ServingCore, registry: AdapterRegistry) -> None:
             return
         if not fits or record.name in core.adapters:
             continue
-        claimed_record = registry.claim(record.name)
+        try:
+            claimed_record = registry.claim(record.name)
+        except sqlite3.Error as exc:  # a full or read-only state disk: the row stays unscoped for now
+            log.warning("unscoped adapters not claimed: the registry cannot be written: %s", exc)
+            return
         if claimed_record is not None:
             core.adapters.put(entry_of(claimed_record))
             if claimed_record.pinned:

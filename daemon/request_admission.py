@@ -1,6 +1,8 @@
 """Request admission: the checks a generate request passes, its registration as in flight, its
 prompt's way through the intake (text is bounded by size, then tokenized off the event loop),
-and its hand-over to an engine's scheduler, or to the requests held for its adapter.
+its grammar's check (structured output: compiled within the limits by the grammar gate, off the
+event loop and every engine's step), and its hand-over to an engine's scheduler, or to the
+requests held for its adapter.
 
 Torch-free.
 """
@@ -16,10 +18,12 @@ from loraplex.daemon.config import ServerSettings
 from loraplex.daemon.controls import Controls
 from loraplex.daemon.detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 from loraplex.daemon.engine_supervisor import EngineSupervisor
+from loraplex.daemon.grammar_gate import GrammarGate
 from loraplex.daemon.held_requests import HeldRequests
 from loraplex.daemon.host_loads import HostLoader
 from loraplex.daemon.host_service import HostTierService
 from loraplex.daemon.intake import PromptIntake
+from loraplex.daemon.prompt_logprobs import PromptLogprobBook, check_prompt_logprobs
 from loraplex.daemon.rejected import Rejected
 from loraplex.daemon.request_state import ClientRequest
 from loraplex.daemon.request_table import RequestTable, request_key
@@ -36,7 +40,8 @@ log = logging.getLogger("loraplex.daemon")
 class RequestAdmission:
     def __init__(self, server: ServerSettings, requests: RequestTable, adapters: AdapterTable,
                  engines: EngineSupervisor, held: HeldRequests, stats: ServingStats, controls: Controls,
-                 host: HostTierService | None = None, loader: HostLoader | None = None) -> None:
+                 host: HostTierService | None = None, loader: HostLoader | None = None,
+                 grammars: GrammarGate | None = None) -> None:
         self.server = server
         self.requests = requests
         self.adapters = adapters
@@ -46,6 +51,8 @@ class RequestAdmission:
         self.controls = controls
         self.host = host
         self.loader = loader
+        self.grammars = grammars  # None: grammars are compiled by the engines alone (a stub engine's tests)
+        self._checking: set[asyncio.Task] = set()  # requests whose new grammar is being compiled
         self.tokenizer = None
         self.intake = self._intake(None, 0, 0)  # replaced once an engine said what it runs
 
@@ -71,10 +78,15 @@ class RequestAdmission:
             self.intake.check_vocab(msg.stop_token_ids, "stop_token_ids")
         if msg.prompt is None:
             max_tokens = self.intake.check_ids(msg.prompt_token_ids, msg.max_tokens)  # before copying them
+            check_prompt_logprobs(msg, len(msg.prompt_token_ids))
             ids = list(msg.prompt_token_ids)
-            for state in self._register_choices(identity, key, msg):
-                if state.key in self.requests:  # a sibling's failure fails them all
-                    await self._route(state, ids, max_tokens)
+            states = self._register_choices(identity, key, msg)
+            if self._grammar_known(msg):  # answered at once (a remembered refusal too)
+                await self._check_then_route(states, ids, max_tokens)
+            else:  # its compile may take seconds: the dispatcher goes on meanwhile
+                task = asyncio.create_task(self._check_then_route(states, ids, max_tokens), name=f"grammar-{key}")
+                self._checking.add(task)
+                task.add_done_callback(self._checking.discard)
         else:
             self.intake.check_text(msg.prompt)
             states = self._register_choices(identity, key, msg)
@@ -115,6 +127,8 @@ class RequestAdmission:
             detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
             stops=StopStringMatcher(list(msg.stop)) if msg.stop else None,
             adapter_path="base" if msg.adapter is None else "cached",
+            prompt_book=PromptLogprobBook(msg.prompt_logprobs) if msg.prompt_logprobs is not None and choice == 0
+            else None,
         )
         self.requests.add(state)
         return state
@@ -124,6 +138,7 @@ class RequestAdmission:
         try:
             ids = await self.intake.encode(state.identity, state.msg.prompt)
             max_tokens = self.intake.check_ids(ids, state.msg.max_tokens)
+            check_prompt_logprobs(state.msg, len(ids))
             self._check_adapter(state.msg)  # it may have been removed while the prompt was tokenized
         except Rejected as exc:
             await self.requests.fail(state.key, ErrorCode(exc.code), exc.message)
@@ -135,9 +150,36 @@ class RequestAdmission:
             return
         finally:
             self.requests.tokenizing.pop(state.key, None)
-        for sibling in states:
-            if sibling.key in self.requests:
-                await self._route(sibling, ids, max_tokens)
+        await self._check_then_route(states, ids, max_tokens)
+
+    def _grammar_known(self, msg: GenerateRequest) -> bool:
+        """No grammar to check, or its verdict is at hand (GrammarGate.known)."""
+        return not msg.guided_kind or self.grammars is None or self.grammars.known(msg.guided_kind, msg.guided_spec)
+
+    async def _check_then_route(self, states: list[ClientRequest], ids: list[int], max_tokens: int) -> None:
+        """Route the request once its grammar is known to compile within the limits (the gate's
+        verdict, cached by grammar); fail it with the verdict's code and reason otherwise."""
+        msg, first = states[0].msg, states[0]
+        if msg.guided_kind and self.grammars is not None:
+            try:
+                verdict = await self.grammars.check(msg.guided_kind, msg.guided_spec)
+            except Rejected as exc:
+                await self.requests.fail(first.key, ErrorCode(exc.code), exc.message)
+                return
+            except Exception as exc:  # a bug fails this request, never the dispatcher
+                log.exception("checking the grammar of request %s failed", first.request_id)
+                await self.requests.fail(first.key, ErrorCode.INTERNAL,
+                                         f"internal error: cannot check the grammar: {exc}")
+                return
+            if verdict.code is not None:
+                await self.requests.fail(first.key, verdict.code, verdict.message)  # and its siblings
+                return
+        await self._route_all(states, ids, max_tokens)
+
+    async def _route_all(self, states: list[ClientRequest], ids: list[int], max_tokens: int) -> None:
+        for state in states:
+            if state.key in self.requests:  # cancelled meanwhile, or a sibling's failure failed them all
+                await self._route(state, ids, max_tokens)
 
     async def _route(self, state: ClientRequest, ids: list[int], max_tokens: int) -> None:
         """Hand a checked request to an engine's scheduler (or hold it for its adapter)."""
@@ -179,7 +221,10 @@ def _sequence_request(key: str, msg: GenerateRequest, ids: list[int], max_tokens
                               logit_bias_values=bias_values, min_tokens=msg.min_tokens,
                               stop_token_ids=list(msg.stop_token_ids) if msg.min_tokens else [],
                               ignore_eos=msg.ignore_eos, guided_kind=msg.guided_kind or "",
-                              guided_spec=msg.guided_spec),
+                              guided_spec=msg.guided_spec,
+                              # choice 0 alone scores the prompt (its siblings' would be the same)
+                              prompt_logprobs=msg.prompt_logprobs if msg.prompt_logprobs is not None and choice == 0
+                              else -1),
         max_tokens=max_tokens, stop_token_ids=frozenset(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         ttft_slo_s=None if msg.slo_ttft_ms is None else msg.slo_ttft_ms / 1e3,
     )

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from loraplex.daemon.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from loraplex.daemon.prompt_logprobs import PromptLogprobBook
 from loraplex.ipc.engine_plan import RowResult
 from loraplex.ipc.protocol import MAX_TOKEN_TEXT_LEN, DoneReply, GenerateRequest, TokenChunk, TopLogprobs
 
@@ -36,6 +37,7 @@ class ClientRequest:
     engine: int = 0  # index of the engine replica serving it
     migrations: int = 0  # times it moved to another engine (co-migration)
     choice: int = 0  # which of its request's n completions
+    prompt_book: PromptLogprobBook | None = None  # its prompt logprobs, when asked (choice 0 only)
 
     @property
     def request_id(self) -> str:
@@ -102,6 +104,8 @@ class ClientRequest:
             usage={"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.token_ids),
                    "cached_tokens": self.cached_tokens},
             timings=timings, token_ids=list(self.token_ids), text=self.text,
+            prompt_logprobs=self.prompt_book.reply(self.prompt_ids, self.detok.tokenizer if self.detok else None)
+            if self.prompt_book is not None else None,
         )
 
 

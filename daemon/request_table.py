@@ -27,6 +27,15 @@ def request_key(identity: bytes, request_id: str) -> str:
     return identity.hex() + "/" + request_id
 
 
+def _row_error_code(value: str) -> ErrorCode:
+    """The code a failed row's request fails with: the engine's (empty: a grammar that did not
+    compile, invalid_field); one this daemon does not know is an internal error."""
+    try:
+        return ErrorCode.parse(value) if value else ErrorCode.INVALID_FIELD
+    except ValueError:
+        return ErrorCode.INTERNAL
+
+
 class RequestTable(Mapping[str, ClientRequest]):
     def __init__(self, send: Send, stats: ServingStats) -> None:
         self._send = send
@@ -110,12 +119,16 @@ class RequestTable(Mapping[str, ClientRequest]):
     async def deliver(self, result: StepResult, finished: dict[str, str | None]) -> None:
         """Stream a step's tokens to their clients; finish what the scheduler finished (`finished`:
         key -> reason) and what hit a stop string."""
+        for chunk in result.prompt_logprobs:
+            state = self._requests.get(chunk.request_id)
+            if state is not None and state.prompt_book is not None:
+                state.prompt_book.add(chunk)
         for row in result.rows:
             state = self._requests.get(row.request_id)
             if state is None:
                 continue
-            if row.error:
-                await self.fail(row.request_id, ErrorCode.INVALID_FIELD, row.error)
+            if row.error:  # this row alone failed on the engine (the rest of its step ran)
+                await self.fail(row.request_id, _row_error_code(row.error_code), row.error)
                 continue
             if state.first_token_at is None:
                 state.first_step_engine_ms = result.forward_ms + result.sample_ms

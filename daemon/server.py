@@ -12,7 +12,7 @@ import asyncio
 import logging
 
 from loraplex.daemon.access import redact_for_remote
-from loraplex.daemon.adapter_hash import fingerprint_to_text
+from loraplex.daemon.adapter_changes import AdapterChanges
 from loraplex.daemon.registry import AdapterRegistry, RegistryError, check_adapter_path
 from loraplex.daemon.serving import Rejected, ServingCore
 from loraplex.ipc.adapter_files import AdapterFileError
@@ -69,6 +69,7 @@ class Dispatcher:
                  listeners: list[Listener], on_drain) -> None:
         self.core = core
         self.registry = registry
+        self.changes = AdapterChanges(core, registry)  # the registry and the core change together
         self.allowed_roots = allowed_roots
         self.listeners = {lst.tag: lst for lst in listeners}
         self.on_drain = on_drain
@@ -160,28 +161,14 @@ class Dispatcher:
         try:
             if isinstance(msg, AddAdapterRequest):  # the path is resolved off the loop: it may sit on a slow mount
                 path = str(await self.core.reader.run(lambda p: check_adapter_path(p, self.allowed_roots), msg.path))
-                changed = True
-                if msg.replace:
-                    entry, changed = await self.core.replace_adapter(msg.name, path)
-                else:
-                    entry = await self.core.add_adapter(msg.name, path)
-                self.registry.add(msg.name, path, rank=entry.rank or None, target_modules=entry.target_modules,
-                                  source="admin", replace=msg.replace, content_hash=entry.content_hash,
-                                  fingerprint=fingerprint_to_text(entry.fingerprint))
+                entry, changed = await self.changes.add(msg.name, path, replace=msg.replace)
                 return AdminOkReply(detail={"adapter": entry.to_wire(resident=False, refs=0), "changed": changed},
                                     request_id=rid)
             if isinstance(msg, RemoveAdapterRequest):
-                await self.core.remove_adapter(msg.name)
-                self.registry.remove(msg.name)
+                await self.changes.remove(msg.name)
                 return AdminOkReply(detail={"removed": msg.name}, request_id=rid)
             if isinstance(msg, PinAdapterRequest):
-                entry = self.core.adapters.get(msg.name)
-                if entry is None:
-                    raise Rejected(ErrorCode.NOT_FOUND, f"unknown adapter {msg.name!r}")
-                if self.registry.get(msg.name) is not None:  # built-in demo adapters live only in memory
-                    self.registry.set_pinned(msg.name, msg.pinned)
-                entry.pinned = msg.pinned
-                self.core.pin_adapter(msg.name, msg.pinned)
+                self.changes.pin(msg.name, msg.pinned)
                 return AdminOkReply(detail={"adapter": msg.name, "pinned": msg.pinned}, request_id=rid)
             if isinstance(msg, DrainRequest):
                 self.on_drain(msg.timeout_s)

@@ -32,6 +32,8 @@ from loraplex.daemon.decision_log import DecisionLog
 from loraplex.daemon.engine_link import EngineLink
 from loraplex.daemon.engine_supervisor import EngineSupervisor
 from loraplex.daemon.gpu_cache.policies import POLICY_NAMES
+from loraplex.daemon.grammar_gate import GrammarGate
+from loraplex.daemon.grammar_link import GrammarWorkerLink
 from loraplex.daemon.held_requests import HeldRequests
 from loraplex.daemon.host_loads import HostLoader
 from loraplex.daemon.host_service import HostTierService
@@ -41,7 +43,7 @@ from loraplex.daemon.request_admission import RequestAdmission
 from loraplex.daemon.request_table import RequestTable, Send
 from loraplex.daemon.router import ROUTERS
 from loraplex.daemon.scheduler.factory import POLICIES
-from loraplex.daemon.stats import ServingStats, in_flight_rows
+from loraplex.daemon.stats import ServingStats, in_flight_rows, queue_rows
 from loraplex.daemon.step_loop import StepLoop
 from loraplex.ipc.adapter_files import resolve_roots
 from loraplex.ipc.errors import ErrorCode
@@ -52,7 +54,8 @@ log = logging.getLogger("loraplex.daemon")
 
 class ServingCore:
     def __init__(self, config: LoraplexConfig, engines: EngineLink | SequenceOf[EngineLink], send: Send,
-                 make_cpu_pool: Callable[[], object] | None = None, cache: CacheManagerLink | None = None) -> None:
+                 make_cpu_pool: Callable[[], object] | None = None, cache: CacheManagerLink | None = None,
+                 make_grammar_worker: Callable[[int], GrammarWorkerLink] | None = None) -> None:
         self.config = config
         sched = config.scheduler
         self.controls = Controls(policy=sched.policy, cache_policy=sched.cache_policy, router=sched.router)
@@ -78,8 +81,11 @@ class ServingCore:
                 slot.host_resident = self.host.is_resident
         self.adapter_admin = AdapterAdmin(self.adapters, self.engines, self.requests, self.held, self.identity,
                                           self.host, self.loader)
+        # Structured output: each new grammar is compiled within the limits by a worker process before
+        # its request is queued (None: the engines compile alone, as with a stub engine in tests).
+        self.grammars = GrammarGate(config.server, make_grammar_worker) if make_grammar_worker is not None else None
         self.admission = RequestAdmission(config.server, self.requests, self.adapters, self.engines, self.held,
-                                          self.stats, self.controls, self.host, self.loader)
+                                          self.stats, self.controls, self.host, self.loader, self.grammars)
         self.decisions: DecisionLog | None = None  # server.decision_log, opened by start()
         self._loops: list[asyncio.Task] = []
 
@@ -141,6 +147,8 @@ class ServingCore:
         for key in list(self.requests):
             await self.requests.fail(key, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         await self.engines.stop()
+        if self.grammars is not None:
+            await self.grammars.stop()
         if self.host is not None:  # last: engines may read its store until they exit
             await self.loader.cancel_loads()
             await self.host.stop()
@@ -191,6 +199,9 @@ class ServingCore:
 
     async def replace_adapter(self, name: str, path: str) -> tuple[AdapterEntry, bool]:
         return await self.adapter_admin.replace(name, path)
+
+    def check_removable(self, name: str) -> None:
+        self.adapter_admin.check_removable(name)
 
     async def remove_adapter(self, name: str) -> None:
         await self.adapter_admin.remove(name)
@@ -268,6 +279,7 @@ class ServingCore:
             paused=controls.paused,
             preemptions=sum(s.num_preemptions for s in scheds),
             scheduler=controls.policy,
+            queues=queue_rows(engines.slots),
             cache_policy=controls.cache_policy,  # also before an engine is up (cache.policy needs one)
             running_adapters=sorted({q.req.adapter for s in scheds for q in s.running if q.req.adapter}),
             waiting_adapters=sorted({q.req.adapter for s in scheds for q in s.waiting if q.req.adapter}),
@@ -278,6 +290,7 @@ class ServingCore:
             in_flight=in_flight_rows(self.requests.values(), scheds, time.monotonic()),
             in_flight_total=len(self.requests),
             adapter_counts=self.adapter_admin.summary(),
+            grammars=self.grammars.snapshot() if self.grammars is not None else None,
         )
 
     def _pool(self) -> dict[str, int] | None:

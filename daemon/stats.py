@@ -56,7 +56,7 @@ class ServingStats:
     policy_ms: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     transfer_totals: Counter = field(default_factory=Counter)
     transfers: deque = field(default_factory=lambda: deque(maxlen=4 * WINDOW))  # (time, key, bytes)
-    link_bytes_per_s: float = 0.0
+    link_bytes_per_s: float | None = None  # the GPU's measured H2D rate; None: no GPU (a CPU engine's is a memcpy)
 
     def accepted(self, adapter: str | None) -> None:
         self.requests += 1
@@ -106,9 +106,9 @@ class ServingStats:
             rates[direction] += nbytes
             by_purpose.setdefault(purpose, {"h2d_mb_s": 0.0, "d2h_mb_s": 0.0})[f"{direction}_mb_s"] += nbytes / span / 1e6
         h2d, d2h = rates["h2d"] / span / 1e6, rates["d2h"] / span / 1e6
-        link = self.link_bytes_per_s / 1e6
+        link = self.link_bytes_per_s / 1e6 if self.link_bytes_per_s else None
         return {"h2d_mb_s": h2d, "d2h_mb_s": d2h, "link_mb_s": link,
-                "utilisation_pct": 100.0 * max(h2d, d2h) / link if link else 0.0,
+                "utilisation_pct": 100.0 * max(h2d, d2h) / link if link else None,
                 "by_purpose": by_purpose, "total_bytes": dict(self.transfer_totals)}
 
     def snapshot(self, **live: object) -> dict[str, object]:
@@ -137,6 +137,16 @@ class ServingStats:
             "policy_ms_mean": sum(self.policy_ms) / len(self.policy_ms) if self.policy_ms else 0.0,
             **live,
         }
+
+
+def queue_rows(slots: Iterable[Any]) -> list[dict[str, object]]:
+    """The lanes of the engines' schedulers (MLQ's queues; none for FCFS or dLoRA) for the
+    console's Queues panel; named `e<engine> q<level>` when more than one engine has lanes."""
+    per_engine = [(slot.index, slot.scheduler.lanes()) for slot in slots if slot.scheduler is not None]
+    with_lanes = [(index, lanes) for index, lanes in per_engine if lanes]
+    if len(with_lanes) == 1:
+        return with_lanes[0][1]
+    return [{**lane, "name": f"e{index} {lane['name']}"} for index, lanes in with_lanes for lane in lanes]
 
 
 def in_flight_rows(requests: Iterable[Any], schedulers: Iterable[Any], now: float,

@@ -14,8 +14,10 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from loraplex.gateway import completions, models, tokens
+from loraplex.gateway.body import MAX_BODY_BYTES, Bodies, longest_token_bytes
 from loraplex.gateway.chat_template import ChatTemplate
 from loraplex.gateway.config import GatewayConfig
+from loraplex.gateway.connections import ConnectionGuard, GuardedSite
 from loraplex.gateway.daemon_metrics import DaemonStats
 from loraplex.gateway.errors import ApiError, from_daemon
 from loraplex.gateway.metrics import GatewayMetrics
@@ -23,11 +25,22 @@ from loraplex.gateway.state import STATE, GatewayState
 from loraplex.ipc.client import AsyncAdminClient, AsyncClient, LoraplexError
 
 log = logging.getLogger("loraplex.gateway")
-MAX_BODY_BYTES = 64 << 20  # token-id prompts are large JSON
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SHUTDOWN_TIMEOUT_S = 10.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def connection_phases(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Tell the connection guard that a request's head is whole (no head deadline while it is
+    served) and when it is done (the next head's deadline starts with its first byte)."""
+    guard = request.app[STATE].connections
+    guard.request_started(request.protocol)
+    try:
+        return await handler(request)
+    finally:
+        guard.request_ended(request.protocol)
 
 
 @web.middleware
@@ -59,7 +72,10 @@ def build_app(config: GatewayConfig, *, client: AsyncClient | None = None,
     """The gateway application; the daemon clients open when it starts. `client`/`admin`: objects
     with the same calls to use instead of the daemon's own sockets (the Ray cluster's ingress
     passes clients that reach its replicas); the app closes them on cleanup."""
-    app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
+    # Handlers read bodies through Bodies (its cap, deadline and decoder); client_max_size only
+    # bounds aiohttp's own readers, should one be used.
+    app = web.Application(middlewares=[connection_phases, openai_errors],
+                          client_max_size=max(config.max_body_bytes or 0, MAX_BODY_BYTES))
     if client is None:
         client = AsyncClient(runtime_dir=config.runtime_dir)
     if admin is None and config.enable_adapter_admin:
@@ -70,7 +86,9 @@ def build_app(config: GatewayConfig, *, client: AsyncClient | None = None,
                         cache_s=config.stats_cache_s)
     app[STATE] = GatewayState(config=config, client=client, admin=admin,
                               metrics=GatewayMetrics(stats, max_loras=config.max_loras),
-                              chat_template=ChatTemplate.from_model_dir(config.model_dir))
+                              chat_template=ChatTemplate.from_model_dir(config.model_dir),
+                              bodies=Bodies(config, client, longest_token_bytes(config.model_dir)),
+                              connections=ConnectionGuard(config))
     app.router.add_post("/v1/completions", completions.counted("completions", completions.completions))
     app.router.add_post("/v1/chat/completions", completions.counted("chat", completions.chat_completions))
     app.router.add_get("/v1/models", models.list_models)
@@ -89,6 +107,7 @@ def build_app(config: GatewayConfig, *, client: AsyncClient | None = None,
 
 async def _close_clients(app: web.Application) -> None:
     state = app[STATE]
+    await state.bodies.close()
     await state.client.close()
     if state.admin is not None:
         await state.admin.close()
@@ -98,10 +117,12 @@ async def listen(app: web.Application, host: str, port: int) -> tuple[web.AppRun
     """Start serving `app` on host:port (0 picks one); (runner, bound host, bound port). The caller
     owns the runner: `await runner.cleanup()` finishes in-flight responses and closes."""
     # handler_cancellation: a client that disconnects cancels its generation on the daemon.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    state = app[STATE]
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                           keepalive_timeout=state.config.keepalive_timeout_s)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await GuardedSite(runner, host, port, state.connections).start()
     except BaseException:
         await runner.cleanup()
         raise

@@ -9,7 +9,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from loraplex.gateway.config import DEFAULT_MAX_LORAS, DEFAULT_SERVED_MODEL_NAME
+from loraplex.gateway.config import DEFAULT_MAX_LORAS, DEFAULT_SERVED_MODEL_NAME, GatewayConfig, limit_fields
+
+_TYPES = {"int": int, "float": float}
+
+
+def limit_flag(name: str) -> str:
+    """The flag of a GatewayConfig limit: header_timeout_s -> --header-timeout."""
+    return "--" + name.removesuffix("_s").replace("_", "-")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +37,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-loras", type=int, default=DEFAULT_MAX_LORAS,
                         help=f"max_lora reported in vllm:lora_requests_info when the daemon does not report it "
                              f"(default {DEFAULT_MAX_LORAS}, the daemon's scheduler.max_loras_per_batch default)")
+    for f in limit_fields():  # declared once, with their help, in GatewayConfig
+        default = "" if f.default is None else f" (default {f.default:g})"
+        parser.add_argument(limit_flag(f.name), dest=f.name, type=_TYPES[f.type.split("|")[0].strip()],
+                            metavar="S" if f.name.endswith("_s") else "N", default=None,
+                            help=f.metadata["help"] + default)
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def config_from(args: argparse.Namespace) -> GatewayConfig:
+    """The settings the flags give; ValueError for bad ones."""
+    limits = {f.name: getattr(args, f.name) for f in limit_fields() if getattr(args, f.name) is not None}
+    return GatewayConfig(host=args.host, port=args.port, runtime_dir=args.runtime_dir,
+                         served_model_name=args.served_model_name, model_dir=args.model_dir,
+                         enable_adapter_admin=args.enable_adapter_admin, request_timeout_s=args.request_timeout,
+                         max_loras=args.max_loras, **limits)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,15 +61,11 @@ def run(args: argparse.Namespace) -> int:
 
     from loraplex.gateway.app import serve
     from loraplex.gateway.chat_template import ChatTemplateError
-    from loraplex.gateway.config import GatewayConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="loraplex-gateway %(levelname)s %(message)s",
                         stream=sys.stderr)
     try:
-        config = GatewayConfig(host=args.host, port=args.port, runtime_dir=args.runtime_dir,
-                               served_model_name=args.served_model_name, model_dir=args.model_dir,
-                               enable_adapter_admin=args.enable_adapter_admin,
-                               request_timeout_s=args.request_timeout, max_loras=args.max_loras)
+        config = config_from(args)
     except ValueError as exc:
         print(f"loraplex gateway: error: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ import json
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -19,7 +20,8 @@ from loraplex.gateway.chat_template import ChatTemplateError
 from loraplex.gateway.errors import ApiError, bad_request, from_daemon, from_protocol
 from loraplex.gateway.generation import Job
 from loraplex.gateway.openai_format import ChatFormat, CompletionFormat, Envelope, Tokens, usage
-from loraplex.gateway.schema import Prompt, Sampling, parse_chat, parse_completion
+from loraplex.gateway.prompt_logprobs import PromptAsk, echo_tokens, first_top_null, joined, vllm_prompt_logprobs
+from loraplex.gateway.schema import ChatRequest, CompletionRequest, Prompt, Sampling
 from loraplex.gateway.state import STATE, GatewayState
 from loraplex.ipc.client import GenerateResult
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
@@ -65,18 +67,17 @@ def counted(endpoint: str, handler: Handler) -> Callable[[web.Request], Awaitabl
     return handle
 
 
-async def json_body(request: web.Request) -> object:
-    try:
-        return await request.json()
-    except ValueError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+async def json_body(request: web.Request, endpoint: str = "json") -> Any:
+    """The request's JSON body as the endpoint's parser makes it (json_decode.PARSERS); a large
+    body is parsed off the event loop (gateway/body.py)."""
+    return await request.app[STATE].bodies.json(request, endpoint)
 
 
 async def completions(request: web.Request, state: GatewayState, out: Outcome) -> web.StreamResponse:
-    req = parse_completion(await json_body(request))
+    req: CompletionRequest = await json_body(request, "completions")
     echoes = [await _prompt_text(state, p) for p in req.prompts] if req.echo else None
     return await _generate(request, state, out, CompletionFormat(), req.model, req.prompts, req.sampling,
-                           stream=req.stream, include_usage=req.include_usage, echoes=echoes)
+                           stream=req.stream, include_usage=req.include_usage, echoes=echoes, ask=req.prompt)
 
 
 async def _prompt_text(state: GatewayState, prompt: Prompt) -> str:
@@ -92,7 +93,7 @@ async def _prompt_text(state: GatewayState, prompt: Prompt) -> str:
 
 
 async def chat_completions(request: web.Request, state: GatewayState, out: Outcome) -> web.StreamResponse:
-    req = parse_chat(await json_body(request))
+    req: ChatRequest = await json_body(request, "chat")
     try:
         prompt = state.chat_template.render(req.messages, add_generation_prompt=req.add_generation_prompt,
                                             extra=req.template_kwargs)
@@ -104,7 +105,8 @@ async def chat_completions(request: web.Request, state: GatewayState, out: Outco
 
 async def _generate(request: web.Request, state: GatewayState, out: Outcome, fmt: CompletionFormat | ChatFormat,
                     requested: str | None, prompts: Sequence[Prompt], sampling: Sampling, *, stream: bool,
-                    include_usage: bool, echoes: list[str] | None = None) -> web.StreamResponse:
+                    include_usage: bool, echoes: list[str] | None = None,
+                    ask: PromptAsk = PromptAsk()) -> web.StreamResponse:
     model, adapter = state.resolve_model(requested)
     job = Job(state.client, state.metrics, model=model, adapter=adapter, prompts=prompts, sampling=sampling,
               timeout=state.config.request_timeout_s)
@@ -125,7 +127,7 @@ async def _generate(request: web.Request, state: GatewayState, out: Outcome, fmt
         choices = len(prompts) * sampling.n
         if stream:
             return await _stream(request, job, envelope, choices, sampling.logprobs, include_usage, out, echoes)
-        return await _collect(job, envelope, choices, sampling.logprobs, echoes)
+        return await _collect(job, envelope, choices, sampling.logprobs, echoes, ask)
     finally:
         # Shielded: a disconnect cancels this handler, but the daemon must still hear the cancels.
         closing = asyncio.ensure_future(job.close())
@@ -134,7 +136,8 @@ async def _generate(request: web.Request, state: GatewayState, out: Outcome, fmt
         await asyncio.shield(closing)
 
 
-async def _collect(job: Job, env: Envelope, n: int, logprobs: bool, echoes: list[str] | None) -> web.Response:
+async def _collect(job: Job, env: Envelope, n: int, logprobs: bool, echoes: list[str] | None,
+                   ask: PromptAsk = PromptAsk()) -> web.Response:
     tokens = [Tokens() for _ in range(n)] if logprobs else None
     try:
         async with aclosing(job.events()) as events:
@@ -144,10 +147,36 @@ async def _collect(job: Job, env: Envelope, n: int, logprobs: bool, echoes: list
                                          chunk.token_ids)
     except LoraplexError as exc:
         raise from_daemon(exc, job.model) from None
-    choices = [env.fmt.choice(i, (echoes[i] if echoes else "") + c.text, c.finish_reason,
-                              tokens[i] if tokens is not None else None)
+    if ask.alternatives is None and ask.generate:
+        choices = [env.fmt.choice(i, (echoes[i] if echoes else "") + c.text, c.finish_reason,
+                                  tokens[i] if tokens is not None else None)
+                   for i, c in enumerate(job.choices)]
+        return web.json_response(env.body(choices, _usage(job.results)))
+    results = job.results
+    per_prompt = n // max(1, len(results))
+    choices = [_scored_choice(env, i, c.text, c.finish_reason, tokens[i] if tokens is not None else None,
+                              echoes[i] if echoes else "", ask, results[i // per_prompt])
                for i, c in enumerate(job.choices)]
-    return web.json_response(env.body(choices, _usage(job.results)))
+    return web.json_response(env.body(choices, _usage(results, generated=ask.generate)))
+
+
+def _scored_choice(env: Envelope, index: int, text: str, reason: str, tokens: Tokens | None, echo: str,
+                   ask: PromptAsk, result: GenerateResult) -> dict[str, object]:
+    """A choice of a request that asked for its prompt's logprobs (echo with logprobs, vLLM's
+    prompt_logprobs) or for the prompt alone (max_tokens 0: the generated token is dropped)."""
+    if not ask.generate:
+        text, reason, tokens = "", "length", Tokens() if tokens is not None else None
+    scored = result.prompt_logprobs
+    if ask.alternatives is not None and scored is None:
+        raise ApiError(500, "the daemon answered without the prompt's logprobs", code="internal")
+    if ask.echo_logprobs is not None:
+        tokens = joined(echo_tokens(scored, ask.echo_logprobs), tokens)
+    choice = env.fmt.choice(index, echo + text, reason, tokens)
+    if ask.echo_logprobs is not None:
+        first_top_null(choice["logprobs"])
+    if ask.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(scored, ask.prompt_logprobs)
+    return choice
 
 
 async def _stream(request: web.Request, job: Job, env: Envelope, n: int, logprobs: bool, include_usage: bool,
@@ -195,7 +224,7 @@ async def _stream(request: web.Request, job: Job, env: Envelope, n: int, logprob
     return response
 
 
-def _usage(results: Sequence[GenerateResult]) -> dict[str, object]:
+def _usage(results: Sequence[GenerateResult], generated: bool = True) -> dict[str, object]:
     return usage(sum(r.usage.get("prompt_tokens", 0) for r in results),
-                 sum(r.usage.get("completion_tokens", 0) for r in results),
+                 sum(r.usage.get("completion_tokens", 0) for r in results) if generated else 0,
                  sum(r.usage.get("cached_tokens", 0) for r in results))

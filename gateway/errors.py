@@ -23,6 +23,10 @@ _DAEMON_STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.INVALID_ADAPTER: (400, "invalid_adapter"),
     ErrorCode.ALREADY_EXISTS: (400, "already_exists"),  # vLLM answers a repeated load with 400 too
     ErrorCode.FORBIDDEN_PATH: (403, "forbidden_path"),
+    # The request's own options made its numbers bad (README, "Sampling numerics"): the same
+    # request fails the same way again, so a 4xx, not a 5xx a client would retry.
+    ErrorCode.SAMPLING_ERROR: (400, "sampling_error"),
+    ErrorCode.GRAMMAR_TOO_COMPLEX: (400, "grammar_too_complex"),  # past the server's structured-output limits
     ErrorCode.OVERLOADED: (429, "overloaded"),
     ErrorCode.UNAVAILABLE: (503, "unavailable"),
     ErrorCode.ENGINE_FAILED: (503, "engine_failed"),

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.gateway.errors import bad_request
-from loraplex.ipc.guided import Guided
-from loraplex.ipc.protocol import MAX_CHOICES, MAX_NEW_TOKENS
+from loraplex.gateway.prompt_logprobs import PromptAsk
+from loraplex.ipc.errors import ErrorCode
+from loraplex.ipc.guided import GrammarTooComplex, Guided
+from loraplex.ipc.protocol import MAX_CHOICES, MAX_NEW_TOKENS, MAX_PROMPT_TOKEN_IDS, MAX_STOP_TOKEN_IDS
 
 Prompt = str | list[int]
 # Completions default (as OpenAI and vLLM). Chat without max_tokens (or max_completion_tokens)
@@ -22,6 +24,9 @@ Prompt = str | list[int]
 # gives the request what the context leaves after the prompt.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_PROMPTS_PER_REQUEST = 128
+# Token ids in all of one request's prompts (one prompt's most, in the protocol): bounds what the
+# gateway's event loop copies and checks for one request (about 0.1 s) whatever the body cap.
+MAX_REQUEST_TOKEN_IDS = MAX_PROMPT_TOKEN_IDS
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_TOP_LOGPROBS = 20
 # Accepted only at their no-op value: the daemon has no such feature.
@@ -52,6 +57,7 @@ class Sampling:
     min_tokens: int = 0
     n: int = 1  # choices per prompt
     guided: Guided | None = None  # structured output
+    prompt_logprobs: int | None = None  # the prompt's logprobs with this many alternatives (completions)
 
     def client_kwargs(self) -> dict[str, object]:
         """Keyword arguments for AsyncClient.stream."""
@@ -61,7 +67,8 @@ class Sampling:
                 "logprobs": self.logprobs, "priority": self.priority, "top_logprobs": self.top_logprobs,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": self.repetition_penalty, "logit_bias": dict(self.logit_bias),
-                "min_tokens": self.min_tokens, "n": self.n, "guided": self.guided}
+                "min_tokens": self.min_tokens, "n": self.n, "guided": self.guided,
+                "prompt_logprobs": self.prompt_logprobs}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +79,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     echo: bool = False  # the prompt's text comes before each choice's completion
+    prompt: PromptAsk = PromptAsk()  # what it asks of the prompt's logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,25 +93,41 @@ class ChatRequest:
     template_kwargs: dict[str, Any]
 
 
-def parse_completion(body: object) -> CompletionRequest:
+def parse_completion(body: object, max_prompt_tokens: int | None = None) -> CompletionRequest:
+    """max_prompt_tokens: the model's context, when known; a token-id prompt longer than it is a
+    400 here, before its ids are checked one by one."""
     b = _object(body)
-    _refuse_unsupported(b)
+    _refuse_unsupported(b, allowed=("prompt_logprobs",))
     logprobs = _opt_int(b, "logprobs", 0, MAX_TOP_LOGPROBS)  # the legacy API: how many alternatives
     echo = _opt_bool(b, "echo", False)
-    if echo and logprobs is not None:
-        raise bad_request("echo with logprobs needs the prompt's logprobs, which loraplex does not compute",
-                          "echo", "unsupported_value")
     stream, include_usage = _stream(b)
-    prompts = _prompts(b.get("prompt"))
-    sampling = _sampling(b, _opt_int(b, "max_tokens", 1, MAX_NEW_TOKENS) or COMPLETIONS_DEFAULT_MAX_TOKENS,
-                         logprobs=logprobs is not None, top_logprobs=logprobs or 0)
+    ask = _prompt_ask(b, echo, logprobs, stream)
+    prompts = _prompts(b.get("prompt"), max_prompt_tokens)
+    max_tokens = _opt_int(b, "max_tokens", 0, MAX_NEW_TOKENS)
+    sampling = _sampling(b, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max(1, max_tokens),
+                         logprobs=logprobs is not None, top_logprobs=logprobs or 0, prompt_logprobs=ask.alternatives)
     if len(prompts) * sampling.n > MAX_PROMPTS_PER_REQUEST:
         raise bad_request(f"prompts times n must be at most {MAX_PROMPTS_PER_REQUEST}", "n")
     return CompletionRequest(model=_model(b), prompts=prompts, stream=stream, include_usage=include_usage, echo=echo,
-                             sampling=sampling)
+                             sampling=sampling, prompt=ask)
 
 
-def parse_chat(body: object) -> ChatRequest:
+def _prompt_ask(b: Mapping[str, Any], echo: bool, logprobs: int | None, stream: bool) -> PromptAsk:
+    """What a completions body asks of its prompt: echo with logprobs, vLLM's prompt_logprobs, and
+    max_tokens 0 (the echo alone, as vLLM: it needs echo)."""
+    prompt_logprobs = _opt_int(b, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
+    ask = PromptAsk(echo_logprobs=logprobs if echo else None, prompt_logprobs=prompt_logprobs,
+                    generate=b.get("max_tokens") != 0)
+    if not ask.generate and not echo:
+        raise bad_request("max_tokens must be at least 1 (0, the prompt alone, only with echo)", "max_tokens")
+    if stream and ask.alternatives is not None:
+        raise bad_request("prompt logprobs (echo with logprobs, prompt_logprobs) are not streamed; "
+                          "send stream=false", "stream", "unsupported_value")
+    return ask
+
+
+def parse_chat(body: object, max_messages: int | None = None) -> ChatRequest:
+    """max_messages: the model's context, when known (every message renders to a token at least)."""
     b = _object(body)
     _refuse_unsupported(b)
     if b.get("echo") not in (None, False):
@@ -122,7 +146,8 @@ def parse_chat(body: object) -> ChatRequest:
     if not isinstance(kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
     return ChatRequest(
-        model=_model(b), messages=_messages(b.get("messages")), stream=stream, include_usage=include_usage,
+        model=_model(b), messages=_messages(b.get("messages"), max_messages), stream=stream,
+        include_usage=include_usage,
         sampling=_sampling(b, max_tokens, logprobs=logprobs, top_logprobs=top),
         add_generation_prompt=_opt_bool(b, "add_generation_prompt", True), template_kwargs=kwargs,
     )
@@ -137,11 +162,12 @@ class TokenizeRequest:
     add_generation_prompt: bool
 
 
-def parse_tokenize(body: object) -> TokenizeRequest:
+def parse_tokenize(body: object, max_messages: int | None = None) -> TokenizeRequest:
     b = _object(body)
     _model(b)
     if "messages" in b:
-        return TokenizeRequest(None, _messages(b.get("messages")), _opt_bool(b, "add_generation_prompt", True))
+        return TokenizeRequest(None, _messages(b.get("messages"), max_messages),
+                               _opt_bool(b, "add_generation_prompt", True))
     prompt = b.get("prompt")
     if not isinstance(prompt, str):
         raise bad_request("prompt must be a string (or give chat messages)", "prompt")
@@ -152,7 +178,9 @@ def parse_detokenize(body: object) -> list[int]:
     b = _object(body)
     _model(b)
     tokens = b.get("tokens")
-    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+    if isinstance(tokens, list) and len(tokens) > MAX_REQUEST_TOKEN_IDS:
+        raise bad_request(f"at most {MAX_REQUEST_TOKEN_IDS} tokens", "tokens", "too_large")
+    if not isinstance(tokens, list) or not _ints(tokens):
         raise bad_request("tokens must be a list of token ids", "tokens")
     return tokens
 
@@ -164,9 +192,11 @@ def _object(body: object) -> dict[str, Any]:
     return body
 
 
-def _refuse_unsupported(b: Mapping[str, Any]) -> None:
+def _refuse_unsupported(b: Mapping[str, Any], allowed: tuple[str, ...] = ()) -> None:
     for name, neutral in _NEUTRAL.items():
         value = b.get(name)
+        if name in allowed:
+            continue
         if value is not None and value != neutral and value not in ({}, []):
             raise bad_request(f"{name} is not supported (got {value!r})", name, "unsupported_parameter")
 
@@ -190,13 +220,16 @@ def _stream(b: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, _opt_bool(options, "include_usage", False)
 
 
-def _sampling(b: Mapping[str, Any], max_tokens: int | None, *, logprobs: bool, top_logprobs: int) -> Sampling:
+def _sampling(b: Mapping[str, Any], max_tokens: int | None, *, logprobs: bool, top_logprobs: int,
+              prompt_logprobs: int | None = None) -> Sampling:
     """The sampling fields; their ranges are the client library's message checks (a 400 either way)."""
     temperature = _opt_float(b, "temperature")
     top_p = _opt_float(b, "top_p")
     stop_ids = b.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
-        raise bad_request("stop_token_ids must be a list of integers", "stop_token_ids")
+    if not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS \
+            or not _ints(stop_ids):
+        raise bad_request(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} integers",
+                          "stop_token_ids")
     return Sampling(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
@@ -216,6 +249,7 @@ def _sampling(b: Mapping[str, Any], max_tokens: int | None, *, logprobs: bool, t
         min_tokens=_opt_int(b, "min_tokens", 0, MAX_NEW_TOKENS) or 0,
         n=_opt_int(b, "n", 1, MAX_CHOICES) or 1,
         guided=_guided(b),
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -243,6 +277,8 @@ def _guided(b: Mapping[str, Any]) -> Guided | None:
                 raise ValueError("guided_choice must be a list of strings")
             return Guided.choice(value)
         return _response_format(value)
+    except GrammarTooComplex as exc:  # nested past the limit (ipc/guided.py)
+        raise bad_request(str(exc), name, code=ErrorCode.GRAMMAR_TOO_COMPLEX.value) from None
     except ValueError as exc:
         raise bad_request(str(exc), name) from None
 
@@ -288,24 +324,48 @@ def _stop(stop: object) -> tuple[str, ...]:
     raise bad_request("stop must be a string or a list of strings", "stop")
 
 
-def _prompts(prompt: object) -> list[Prompt]:
-    """One string, one list of token ids, or a batch of either."""
+def _prompts(prompt: object, max_tokens: int | None) -> list[Prompt]:
+    """One string, one list of token ids, or a batch of either. Token-id prompts: each at most
+    `max_tokens` long (the context, when known), MAX_REQUEST_TOKEN_IDS in all; both checked
+    before the ids are."""
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
-        if all(_is_int(t) for t in prompt):
+        batch = isinstance(prompt[0], (list, str))
+        if batch and len(prompt) > MAX_PROMPTS_PER_REQUEST:
+            raise bad_request(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request", "prompt")
+        _fit(prompt if batch else [prompt], max_tokens)
+        if not batch and _ints(prompt):
             return [list(prompt)]
-        if all(isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)) for p in prompt):
-            if len(prompt) > MAX_PROMPTS_PER_REQUEST:
-                raise bad_request(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request", "prompt")
+        if batch and all(isinstance(p, str) or (isinstance(p, list) and p and _ints(p))
+                         for p in prompt):
             return [p if isinstance(p, str) else list(p) for p in prompt]
     raise bad_request("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
 
 
-def _messages(messages: object) -> list[dict[str, Any]]:
+def _fit(prompts: list[Any], max_tokens: int | None) -> None:
+    """Refuse a token-id prompt longer than the context (as the daemon would) or than any
+    prompt can be, and a request whose prompts hold more than MAX_REQUEST_TOKEN_IDS ids."""
+    total = 0
+    for p in prompts:
+        if not isinstance(p, list):
+            continue
+        if max_tokens is not None and len(p) > max_tokens:
+            raise bad_request(f"prompt has {len(p)} tokens; the context holds {max_tokens}", "prompt",
+                              "context_length_exceeded")
+        total += len(p)
+    if total > MAX_REQUEST_TOKEN_IDS:
+        raise bad_request(f"the prompts hold {total} token ids; at most {MAX_REQUEST_TOKEN_IDS} per request",
+                          "prompt", "too_large")
+
+
+def _messages(messages: object, max_messages: int | None) -> list[dict[str, Any]]:
     """Chat messages with their content flattened to text (text parts joined by newlines)."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
+    if len(messages) > (most := MAX_PROMPT_TOKEN_IDS if max_messages is None else max_messages):
+        raise bad_request(f"{len(messages)} messages cannot fit in a prompt of {most} tokens", "messages",
+                          "context_length_exceeded")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
@@ -329,6 +389,11 @@ def _content(content: object, i: int) -> str:
             texts.append(part["text"])
         return "\n".join(texts)
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def _ints(values: list[Any]) -> bool:
+    """Every value an integer (not a bool); at C speed, as token-id lists are long."""
+    return not values or set(map(type, values)) == {int}
 
 
 def _is_int(value: object) -> bool:

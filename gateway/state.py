@@ -1,6 +1,7 @@
 """What every handler shares: the settings, the one AsyncClient (and admin
-client) of the daemon, the metrics and the chat template, stored on the
-aiohttp application under STATE; and how `model` picks the adapter.
+client) of the daemon, the metrics, the chat template, the body reader and the
+connection guard, stored on the aiohttp application under STATE; and how
+`model` picks the adapter.
 """
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from loraplex.contracts.names import is_valid_name
+from loraplex.gateway.body import Bodies
 from loraplex.gateway.chat_template import ChatTemplate
 from loraplex.gateway.config import GatewayConfig
+from loraplex.gateway.connections import ConnectionGuard
 from loraplex.gateway.errors import model_not_found
 from loraplex.gateway.metrics import GatewayMetrics
 from loraplex.ipc.client import AsyncAdminClient, AsyncClient
@@ -23,6 +26,8 @@ class GatewayState:
     admin: AsyncAdminClient | None  # None unless adapter admin is enabled
     metrics: GatewayMetrics
     chat_template: ChatTemplate
+    bodies: Bodies  # every request body is read and decoded through it
+    connections: ConnectionGuard
 
     def resolve_model(self, requested: str | None) -> tuple[str, str | None]:
         """(model id, adapter) for a request's `model`, as vLLM and LoRAX do:

@@ -12,7 +12,7 @@ from loraplex import __version__
 from loraplex.gateway.chat_template import ChatTemplateError
 from loraplex.gateway.completions import json_body
 from loraplex.gateway.errors import bad_request, from_daemon, from_protocol
-from loraplex.gateway.schema import parse_detokenize, parse_tokenize
+from loraplex.gateway.schema import TokenizeRequest
 from loraplex.gateway.state import STATE
 from loraplex.ipc.errors import LoraplexError, ProtocolError
 
@@ -21,7 +21,7 @@ CONTROL_TIMEOUT_S = 30.0
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    req = parse_tokenize(await json_body(request))
+    req: TokenizeRequest = await json_body(request, "tokenize")
     text = req.prompt
     if text is None:
         try:
@@ -39,7 +39,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    ids = parse_detokenize(await json_body(request))
+    ids: list[int] = await json_body(request, "detokenize")
     try:
         text = await request.app[STATE].client.detokenize(ids, timeout=CONTROL_TIMEOUT_S)
     except LoraplexError as exc:

@@ -2,9 +2,11 @@
 tensor-parallel engine: run a step plan, load an adapter into host memory (from
 the cache manager's store, else its file, resolved against the same allow-list),
 unload one. Replies are protocol messages; a failure an engine survives is an
-`engine_failure`. Plan bookkeeping (the persistent batch) and the daemon socket
-stay with rank 0 (gpu_engine/engine_process.py); gpu_engine/tp/worker.py drives
-the other ranks with the orders rank 0 shares.
+`engine_failure`, and a step that fails is first run again without the rows that fail
+alone (gpu_engine/row_isolation.py), which fail their own requests only. Plan
+bookkeeping (the persistent batch) and the daemon socket stay with rank 0
+(gpu_engine/engine_process.py); gpu_engine/tp/worker.py drives the other ranks with
+the orders rank 0 shares.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from loraplex.contracts.geometry import AdapterLayout
 from loraplex.errors import LoraplexRequestError
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter, load_peft_adapter
+from loraplex.gpu_engine.row_isolation import isolate_step
 from loraplex.gpu_engine.runtime import EngineRuntime
 from loraplex.gpu_engine.store_reader import StoreReader
 from loraplex.ipc.adapter_files import allow_also, resolve_roots
@@ -80,7 +83,19 @@ class EngineOrders:
     def step(self, plan: StepPlan) -> Message:
         executor = self.runtime.executor
         try:
-            return EngineStepDone(result=executor.execute(plan))
+            try:
+                return EngineStepDone(result=executor.execute(plan))
+            except _GROUP_ERRORS + _OOM_ERRORS:
+                raise
+            except Exception as exc:
+                # One device and no CPU workers mid-protocol: the rows run again in halves, and the
+                # rows that fail alone fail their own requests (raises again when none can be blamed).
+                if executor.split.world_size > 1 or plan.cpu is not None or len(plan.rows) < 2:
+                    raise
+                log.error("step %d failed; isolating its rows: %r", plan.step_id, exc)
+                placed = all(p.name in executor.resident for p in plan.place)
+                return EngineStepDone(result=isolate_step(executor.execute, plan, exc, placed=placed,
+                                                          passthrough=_GROUP_ERRORS + _OOM_ERRORS))
         except _GROUP_ERRORS:
             raise
         except _OOM_ERRORS as exc:  # the daemon retries with a smaller batch; we stay up

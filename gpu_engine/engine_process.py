@@ -246,6 +246,8 @@ def _start(spec: EngineSpec) -> tuple[EngineRuntime, CpuAssistResources | None, 
         if group is not None:
             group.kill()  # they may be building their runtimes: no order would reach them
         raise
+    if group is not None:
+        group.serving()  # every rank built its runtime: a silent one is stopped now, not slow to start
     return runtime, resources, group
 
 

@@ -23,6 +23,7 @@ from loraplex.gpu_engine.model_split import ModelSplit, WholeModel
 from loraplex.gpu_engine.tp.cpu_assist import AssistRow
 from loraplex.gpu_engine.model.weights import ModelWeights
 from loraplex.gpu_engine.pool import UnifiedPool
+from loraplex.gpu_engine.prompt_logprobs import ScoredRow, score, scored_positions
 from loraplex.gpu_engine.sampler import Sampler
 from loraplex.ipc.engine_plan import RowPlan, StepPlan, StepResult
 
@@ -114,6 +115,8 @@ class Executor:
     # ---- execution --------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         loaded_before = self.loader.started_bytes
+        if plan.grammars and self.split.samples:  # compiled off the step; the result says when (grammars_ready)
+            self.sampler.compile_ahead(plan.grammars)
         for name in plan.evict:
             self._drop_resident(name)
         for placement in plan.place:
@@ -125,6 +128,7 @@ class Executor:
         rows = self.merge.prepare(plan)  # merged-mode rows run as base rows: their LoRA is in the weights
         if not rows:  # placements only (preloading)
             return StepResult(step_id=plan.step_id, rows=[], loading=self._still_loading(),
+                              grammars_ready=self.sampler.grammars_ready(),
                               transfer_bytes={"adapter_h2d": self.loader.started_bytes - loaded_before})
         t0 = time.perf_counter()
         # Rows sorted by adapter make each adapter one contiguous token segment (SGMV-style).
@@ -140,6 +144,9 @@ class Executor:
                 logits = logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
         else:
             batch = self._build_batch(ordered, plan)
+            scored, targets = self._scoring(ordered)
+            if scored:
+                batch.score_tokens = self._tensor([i for r in scored for i in range(r.first, r.first + r.count)])
             logits = self.model.forward(batch, self.pool)
         cpu = batch.cpu if batch is not None else None
         # On CUDA the forward is only enqueued: the watchdog must follow the CPU sites before anything syncs.
@@ -147,6 +154,10 @@ class Executor:
         t1 = time.perf_counter()
         # A tensor-parallel rank other than 0 has no logits: rank 0 samples and replies for the group.
         rows = self.sampler.sample(logits, ordered, sampled_rows) if self.split.samples else []
+        prompt = []
+        if batch is not None and batch.scored_hidden is not None:  # every rank: the LM head may be a collective
+            prompt = score(self.model._logits, batch.scored_hidden, self._tensor(targets), scored,
+                           self.cfg.vocab_size)
         t2 = time.perf_counter()
         if watchdog is not None:
             watchdog.join()
@@ -158,7 +169,7 @@ class Executor:
         return StepResult(step_id=plan.step_id, rows=rows, forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3,
                           cpu_timeouts=cpu.timeouts if cpu is not None else 0,
                           load_wait_ms=batch.load_wait_ms if batch is not None else 0.0, transfer_bytes=transfers,
-                          loading=loading)
+                          loading=loading, grammars_ready=self.sampler.grammars_ready(), prompt_logprobs=prompt)
 
     def _still_loading(self) -> list[str]:
         """Forget finished loads; the adapters whose layer groups are still arriving."""
@@ -170,7 +181,8 @@ class Executor:
         """Each row's placed adapter when the step can run through the decode buckets, else None:
         decode rows only, no CPU-run layers, and no adapter whose layer groups are still arriving
         (those steps overlap compute with the copies, layer by layer, which a replay cannot)."""
-        if self.graphs is None or (plan.cpu is not None and any(r.cpu_layers for r in rows)):
+        if self.graphs is None or (plan.cpu is not None and any(r.cpu_layers for r in rows)) \
+                or any(r.prompt_scored for r in rows):  # prompt logprobs need more than one position's logits
             return None
         loras: list[ResidentLora | None] = []
         for row in rows:
@@ -183,6 +195,23 @@ class Executor:
                 return None  # unplaced adapters take the eager path, which explains the error
             loras.append(lora)
         return loras if self.graphs.accepts(rows, loras) else None
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    @staticmethod
+    def _scoring(rows: list[RowPlan]) -> tuple[list[ScoredRow], list[int]]:
+        """The step's prompt-logprob positions (rows in step order) and the prompt token each scores."""
+        scored: list[ScoredRow] = []
+        targets: list[int] = []
+        first = 0
+        for row in rows:
+            found = scored_positions(row, first)
+            if found is not None:
+                scored.append(found[0])
+                targets += found[1]
+            first += len(row.token_ids)
+        return scored, targets
 
     def _build_batch(self, rows: list[RowPlan], plan: StepPlan) -> ForwardBatch:
         token_ids: list[int] = []

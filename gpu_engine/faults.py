@@ -5,17 +5,23 @@ production. The value is a comma-separated list of `KIND=N[xK]` (the Nth forward
 of this process and the K-1 after it fail) and `file=PATH` (a test writes such a
 list into PATH at run time; the engine takes it, counting from its next forward,
 and deletes it, so exactly one engine fires it once). KIND is `step_raise` (a
-RuntimeError) or `step_oom` (torch.cuda.OutOfMemoryError, constructible on CPU).
+RuntimeError) or `step_oom` (torch.cuda.OutOfMemoryError, constructible on CPU); and
+`token_raise=T`: from then on every forward whose batch feeds token id T raises (a fault
+that one request's row carries, for the engine's row isolation to find).
 """
 from __future__ import annotations
 
 import os
 import re
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from loraplex.gpu_engine.model.batch import ForwardBatch
+
 ENV = "LORAPLEX_FAULTS"
-KINDS = ("step_raise", "step_oom")
+KINDS = ("step_raise", "step_oom", "token_raise")
 _ITEM = re.compile(r"(?P<kind>[a-z_]+)=(?P<at>[1-9][0-9]*)(?:x(?P<times>[1-9][0-9]*))?")
 
 
@@ -54,13 +60,16 @@ class FaultInjector:
         finally:
             os.unlink(taken)
         for kind, (at, times) in armed.items():
-            self.faults[kind] = (self.forwards + at, times)
+            self.faults[kind] = (at if kind == "token_raise" else self.forwards + at, times)
 
-    def before_forward(self) -> None:
+    def before_forward(self, batch: ForwardBatch | None = None) -> None:
         self.forwards += 1
         self._take_armed()
         for kind, (at, times) in self.faults.items():
-            if at <= self.forwards < at + times:
+            if kind == "token_raise":
+                if batch is not None and bool((batch.token_ids == at).any()):
+                    raise RuntimeError(f"injected fault: forward {self.forwards} feeds token {at}")
+            elif at <= self.forwards < at + times:
                 if kind == "step_oom":
                     raise torch.cuda.OutOfMemoryError(
                         f"CUDA out of memory. Tried to allocate 2.00 GiB (injected fault, forward {self.forwards})")
@@ -76,7 +85,7 @@ def install_faults(model, env: dict[str, str] | os._Environ = os.environ) -> Fau
     forward = model.forward
 
     def faulty_forward(*args, **kwargs):
-        injector.before_forward()
+        injector.before_forward(args[0] if args else kwargs.get("batch"))
         return forward(*args, **kwargs)
 
     model.forward = faulty_forward

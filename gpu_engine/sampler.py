@@ -7,6 +7,12 @@ restart draws the same tokens. The penalties read the tokens the engine fed
 (gpu_engine.sampling_history), which a recompute rebuilds. Logprobs and
 alternatives are of the model's unmodified distribution (vLLM's default).
 Rows without these options pay nothing for them.
+
+A row's numbers never fail the step: a temperature below SAMPLING_EPS samples greedily, and
+one vectorised check per step (fetched with the greedy tokens) fails each row whose logits
+hold NaN or +inf or whose options mask every token, with `sampling_error`; a sampled row's
+probabilities are checked where they already are on the host. A step whose sampling raises
+is sampled again in halves (gpu_engine.row_isolation): a row that raises alone fails alone.
 """
 from __future__ import annotations
 
@@ -14,10 +20,18 @@ from pathlib import Path
 
 import torch
 
+from loraplex.gpu_engine.row_isolation import bisect_failures
 from loraplex.gpu_engine.sampling_history import SamplingHistory
-from loraplex.ipc.engine_plan import RowPlan, RowResult, SamplingSpec
+from loraplex.ipc.engine_plan import GrammarOrder, RowPlan, RowResult, SamplingSpec
+from loraplex.ipc.errors import ErrorCode
+from loraplex.ipc.guided import grammar_key
 
 _MASK64 = (1 << 64) - 1
+# torch.OutOfMemoryError since 2.5; torch.cuda.OutOfMemoryError (its alias now) before: never isolated.
+_OOM_ERRORS = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
+_SAMPLING_ERROR = ErrorCode.SAMPLING_ERROR.value
+# What the per-step check finds in a row (its verdict): nothing, a NaN or +inf logit, every token masked.
+_SOUND, _NON_FINITE, _NOTHING_LEFT = 0, 1, 2
 
 
 def stream_seed(seed: int, index: int) -> int:
@@ -45,6 +59,31 @@ def _filtered_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
     return probs
 
 
+def _verdicts(logits: torch.Tensor, processed: torch.Tensor) -> torch.Tensor:
+    """Per row [rows] int64: _SOUND, _NON_FINITE (NaN or +inf in the raw or processed logits) or
+    _NOTHING_LEFT (every processed logit -inf), computed on the logits' device without a sync."""
+    def non_finite(x: torch.Tensor) -> torch.Tensor:
+        return (torch.isnan(x) | torch.isposinf(x)).any(dim=-1)
+
+    bad = non_finite(processed) if processed is logits else non_finite(logits) | non_finite(processed)
+    empty = torch.isneginf(processed).all(dim=-1)
+    return torch.where(bad, _NON_FINITE, torch.where(empty, _NOTHING_LEFT, _SOUND))
+
+
+def _why(verdict: int, spec: SamplingSpec) -> str:
+    if verdict == _NON_FINITE:
+        return ("the logits of this request hold NaN or +inf (a repetition_penalty near 0 divides them "
+                "to inf; or the model's numbers overflowed)")
+    if spec.guided_kind:
+        return "no token is allowed: the grammar conflicts with logit_bias or min_tokens"
+    return "no token is allowed: min_tokens, stop_token_ids and logit_bias mask the whole vocabulary"
+
+
+def _usable(probs: torch.Tensor) -> bool:
+    """A sampled row's probabilities (on the host) can be drawn from."""
+    return bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0.0
+
+
 class Sampler:
     """Samples one token per sampling row of a step; owns the penalised rows' token history."""
 
@@ -55,6 +94,7 @@ class Sampler:
         self.history = history if history is not None else SamplingHistory()
         self.tokenizer_json = tokenizer_json  # the vocabulary guided rows are compiled against
         self._grammars = None  # gpu_engine.grammar.Grammars, built with the first guided row
+        self._unusable: list[str] = []  # grammars ordered while there is no grammar library: ready, to fail
 
     def forget(self, request_ids: list[str]) -> None:
         """These requests left the engine's batch: drop their token history and grammar state."""
@@ -78,12 +118,44 @@ class Sampler:
                 raise GrammarError("structured output needs xgrammar (pip install 'loraplex[engine]')") from None
         return self._grammars
 
+    def compile_ahead(self, orders: list[GrammarOrder]) -> None:
+        """Compile these grammars off the step (gpu_engine/grammar.py); with no grammar library they
+        are ready at once, and their rows fail with why."""
+        from loraplex.gpu_engine.grammar import GrammarError
+
+        try:
+            self.grammars.start(orders)
+        except GrammarError:
+            self._unusable += [grammar_key(o.kind, o.spec) for o in orders]
+
+    def grammars_ready(self) -> list[str]:
+        """The ordered grammars whose compile ended since the last step (StepResult.grammars_ready)."""
+        ready, self._unusable = self._unusable, []
+        return ready + self._grammars.take_ready() if self._grammars is not None else ready
+
     def sample(self, logits: torch.Tensor, rows: list[RowPlan], sampled: list[RowPlan]) -> list[RowResult]:
         """logits: [len(sampled), vocab] float32 for the `sampled` rows (a subset of `rows`, the step's rows,
         which all feed the history) -> one RowResult per sampled row."""
         for row in rows:
             if row.sampling.needs_history:
                 self.history.feed(row)
+        try:
+            return self._sample(logits, sampled)
+        except _OOM_ERRORS:
+            raise
+        except Exception as exc:  # a row that raises alone fails alone; every row raising is ours
+            indexed = list(enumerate(sampled))
+            parts, guilty = bisect_failures(
+                lambda part: self._sample(logits[[i for i, _ in part]], [row for _, row in part]), indexed, exc,
+                _OOM_ERRORS)
+        by_id = {r.request_id: r for part in parts for r in part}
+        by_id.update({row.request_id: RowResult(request_id=row.request_id, token_id=0, logprob=None,
+                                                error=f"sampling this request raised: {err}",
+                                                error_code=_SAMPLING_ERROR) for (_, row), err in guilty})
+        return [by_id[row.request_id] for row in sampled]
+
+    def _sample(self, logits: torch.Tensor, sampled: list[RowPlan]) -> list[RowResult]:
+        """The sampled rows (their history fed) -> one RowResult each."""
         logprobs = torch.log_softmax(logits, dim=-1)
         processed = logits
         for i, row in enumerate(sampled):
@@ -91,26 +163,36 @@ class Sampler:
                 if processed is logits:
                     processed = logits.clone()
                 processed[i] = self._process(logits[i], row)
-        errors = self._guide(processed, sampled) if any(r.sampling.guided_kind for r in sampled) else {}
-        greedy = torch.argmax(processed, dim=-1).tolist()
+        errors = {i: (ErrorCode.INVALID_FIELD.value, why) for i, why in self._guide(processed, sampled).items()} \
+            if any(r.sampling.guided_kind for r in sampled) else {}
+        # One transfer for the greedy tokens and every row's verdict: no sync per row.
+        greedy, verdicts = torch.stack((torch.argmax(processed, dim=-1), _verdicts(logits, processed))).tolist()
         tokens: list[int] = []
         for i, row in enumerate(sampled):
             spec = row.sampling
+            if i not in errors and verdicts[i] != _SOUND:
+                errors[i] = (_SAMPLING_ERROR, _why(verdicts[i], spec))
             if i in errors:
                 tokens.append(0)  # never used: the row fails
                 continue
-            if spec.temperature == 0.0 or spec.top_k == 1:
+            if spec.greedy:
                 tokens.append(greedy[i])
                 continue
             probs = _filtered_probs(processed[i], spec).cpu()
+            if not _usable(probs):  # finite logits, yet e.g. scaled past float range: this row alone fails
+                errors[i] = (_SAMPLING_ERROR, "the sampling probabilities of this request are not finite")
+                tokens.append(0)
+                continue
             gen = torch.Generator(device="cpu").manual_seed(stream_seed(spec.seed, row.sample_index))
             tokens.append(int(torch.multinomial(probs, 1, generator=gen).item()))
         chosen = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
         picked = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
         top = self._top(logprobs, sampled)
         return [RowResult(request_id=row.request_id, token_id=t,
-                          logprob=lp if row.sampling.logprobs or row.sampling.top_logprobs else None,
-                          top_ids=top[i][0], top_logprobs=top[i][1], error=errors.get(i, ""))
+                          logprob=lp if (row.sampling.logprobs or row.sampling.top_logprobs) and i not in errors
+                          else None, top_ids=top[i][0] if i not in errors else [],
+                          top_logprobs=top[i][1] if i not in errors else [],
+                          error=errors[i][1] if i in errors else "", error_code=errors[i][0] if i in errors else "")
                 for i, (row, t, lp) in enumerate(zip(sampled, tokens, picked))]
 
     def _guide(self, processed: torch.Tensor, sampled: list[RowPlan]) -> dict[int, str]:
@@ -132,11 +214,8 @@ class Sampler:
                 masked.append(i)
             except GrammarError as exc:
                 errors[i] = str(exc)
-        if masked:
+        if masked:  # a row its grammar leaves no token fails in the per-step check (_verdicts)
             grammars.apply(processed, bitmask, masked)
-            dead = torch.isneginf(processed[masked]).all(dim=-1).tolist()
-            errors.update({i: "no token is allowed: the grammar conflicts with logit_bias or min_tokens"
-                           for i, d in zip(masked, dead) if d})
         return errors
 
     def _process(self, logits: torch.Tensor, row: RowPlan) -> torch.Tensor:

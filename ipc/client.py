@@ -22,7 +22,7 @@ from loraplex.ipc.client_sync import AdminClient, Client, Stream
 from loraplex.ipc.client_types import AdapterInfo, Choice, GenerateResult, Liveness, StreamChunk, Tokenized, new_request_id
 from loraplex.ipc.errors import ErrorCode, LoraplexError
 from loraplex.ipc.guided import Guided
-from loraplex.ipc.protocol import TopLogprobs
+from loraplex.ipc.protocol import PromptLogprobs, TopLogprobs
 
 __all__ = [
     "AdapterInfo",
@@ -37,6 +37,7 @@ __all__ = [
     "Guided",
     "Liveness",
     "LoraplexError",
+    "PromptLogprobs",
     "Stream",
     "StreamChunk",
     "Tokenized",

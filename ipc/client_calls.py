@@ -168,6 +168,7 @@ class GenerateOptions(TypedDict, total=False):
     min_tokens: int
     n: int
     guided: Guided | None
+    prompt_logprobs: int | None
     priority: int
     slo_ttft_ms: float | None
     timeout: float | None
@@ -203,6 +204,7 @@ def generate_request(
     min_tokens: int = 0,
     n: int = 1,
     guided: Guided | None = None,
+    prompt_logprobs: int | None = None,
 ) -> GenerateRequest:
     """The validated `generate` message for the client methods' arguments.
 
@@ -246,6 +248,7 @@ def generate_request(
         priority=priority,
         slo_ttft_ms=slo_ttft_ms,
         deadline_ms=deadline_ms,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -305,6 +308,7 @@ class StreamAssembler:
             timings=dict(done.timings),
             logprobs=self._choice_logprobs(0),
             top_logprobs=self._choice_top(0),
+            prompt_logprobs=done.prompt_logprobs,
             choices=[Choice(c.index, c.text, list(c.token_ids), c.finish_reason, self._choice_logprobs(c.index),
                             self._choice_top(c.index)) for c in done.choices]
             if done.choices is not None else

@@ -394,6 +394,7 @@ class Client(_SyncBase):
 
         top_logprobs, the penalties, logit_bias (token id -> bias), min_tokens, n (GenerateResult.choices)
         and guided (Guided.json(schema), .regex(...), ...) act as in vLLM (ipc.messages.client.GenerateRequest).
+        prompt_logprobs=k (0..20): GenerateResult.prompt_logprobs, as vLLM's prompt_logprobs.
         max_tokens: new tokens at most; None fills what the context leaves after
         the prompt. A prompt plus max_tokens longer than the model's context
         fails at once with LoraplexError(context_length_exceeded), as vLLM's 400.

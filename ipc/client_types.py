@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from loraplex.ipc.protocol import TopLogprobs
+from loraplex.ipc.protocol import PromptLogprobs, TopLogprobs
 
 REQUEST_ID_PREFIX = "lpx-"
 PROBE_ID_PREFIX = "lpx-probe-"
@@ -66,7 +66,9 @@ class GenerateResult:
     "cpu_assisted"). logprobs: one per completion token when requested, else None;
     top_logprobs: likewise, each the alternatives at that position. choices: every
     completion when n > 1 (text, token_ids, finish_reason and the logprobs above are
-    choice 0's; usage counts all of them); the one choice otherwise.
+    choice 0's; usage counts all of them); the one choice otherwise. prompt_logprobs: when
+    asked (`prompt_logprobs=k`), each prompt token's logprob given the tokens before it (None
+    for the first), its rank and k alternatives (ipc.protocol.PromptLogprobs).
     """
 
     request_id: str
@@ -78,6 +80,7 @@ class GenerateResult:
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
     choices: list[Choice] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,12 @@ class ErrorCode(str, Enum):
     TIMEOUT = "timeout"
     # The engine serving the request died or reported a failure.
     ENGINE_FAILED = "engine_failed"
+    # This request's own numbers went bad in the sampler (non-finite logits or probabilities, or
+    # no token left once its options masked the vocabulary); the requests beside it went on.
+    SAMPLING_ERROR = "sampling_error"
+    # A structured-output grammar past the server's limits: nested deeper than the spec allows, or
+    # not compiled within server.grammar_compile_timeout_s / grammar_compile_memory_mb.
+    GRAMMAR_TOO_COMPLEX = "grammar_too_complex"
     SHUTTING_DOWN = "shutting_down"
     # An adapter path outside the directories the operator allowed.
     FORBIDDEN_PATH = "forbidden_path"

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loraplex.ipc.engine_plan import AdapterPlacement, CpuAssistStep, RowPlan, SamplingSpec, StepPlan, StepResult
+from loraplex.ipc.engine_plan import (AdapterPlacement, CpuAssistStep, GrammarOrder, RowPlan, SamplingSpec, StepPlan,
+                                      StepResult)
 
 FEED_SAMPLED = -1  # a token id meaning "the token this engine sampled for this row in its last step"
 
@@ -45,6 +46,8 @@ class RowDelta:
     sampling: SamplingSpec | None = None
     cpu_layers: int = 0
     cpu_row: int = 0
+    prompt_scored: int = 0  # RowPlan's: per step, not kept by the engine
+    prompt_next: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,7 @@ class StepDelta:
     evict: list[str] = field(default_factory=list)
     cpu: CpuAssistStep | None = None
     merged_adapter: str | None = None
+    grammars: list[GrammarOrder] = field(default_factory=list)  # compiled off the step (StepPlan.grammars)
 
 
 @dataclass(slots=True)
@@ -90,12 +94,15 @@ class PlanEncoder:
             pages = row.kv_pages
             if new:
                 rows.append(RowDelta(row.request_id, row.token_ids, row.start_pos, list(pages), row.sample,
-                                     row.sample_index, True, row.adapter, row.sampling, row.cpu_layers, row.cpu_row))
+                                     row.sample_index, True, row.adapter, row.sampling, row.cpu_layers, row.cpu_row,
+                                     row.prompt_scored, row.prompt_next))
             else:
                 rows.append(RowDelta(row.request_id, row.token_ids, row.start_pos, pages[before.num_pages:],
-                                     row.sample, row.sample_index, cpu_layers=row.cpu_layers, cpu_row=row.cpu_row))
+                                     row.sample, row.sample_index, cpu_layers=row.cpu_layers, cpu_row=row.cpu_row,
+                                     prompt_scored=row.prompt_scored, prompt_next=row.prompt_next))
             sent[row.request_id] = _Sent(row.start_pos + len(row.token_ids), len(pages), row.adapter)
-        delta = StepDelta(plan.step_id, rows, self._resync, plan.place, plan.evict, plan.cpu, plan.merged_adapter)
+        delta = StepDelta(plan.step_id, rows, self._resync, plan.place, plan.evict, plan.cpu, plan.merged_adapter,
+                          plan.grammars)
         self._sent, self._resync = sent, False
         return delta
 
@@ -157,10 +164,11 @@ class PlanBook:
             row.next_pos = d.start_pos + len(d.token_ids)
             batch[d.request_id] = row
             rows.append(RowPlan(d.request_id, d.token_ids, d.start_pos, row.pages, row.adapter, d.sample,
-                                row.sampling, d.sample_index, d.cpu_layers, d.cpu_row))
+                                row.sampling, d.sample_index, d.cpu_layers, d.cpu_row, d.prompt_scored, d.prompt_next))
         self.dropped = [request_id for request_id in self.rows if request_id not in batch]
         self.rows = batch
-        return StepPlan(delta.step_id, rows, delta.place, delta.evict, delta.cpu, delta.merged_adapter)
+        return StepPlan(delta.step_id, rows, delta.place, delta.evict, delta.cpu, delta.merged_adapter,
+                        delta.grammars)
 
     def feed(self, plan: StepPlan) -> StepPlan:
         """`plan` (expanded here, so the engine's own) with each FEED_SAMPLED token replaced, in

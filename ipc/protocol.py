@@ -70,6 +70,7 @@ from loraplex.ipc.messages.engine import (
     EngineStepDone,
     EngineUnloadAdapter,
 )
+from loraplex.ipc.messages.grammar import GrammarCompile, GrammarCompiled, GrammarWorkerHello
 from loraplex.ipc.messages.replies import (
     ADAPTER_PATHS,
     FINISH_REASONS,
@@ -81,6 +82,7 @@ from loraplex.ipc.messages.replies import (
     DoneReply,
     ErrorReply,
     PongReply,
+    PromptLogprobs,
     StatsReply,
     TokenChunk,
     TokenizedReply,
@@ -132,6 +134,9 @@ __all__ = [
     "EngineStepDelta",
     "EngineStepDone",
     "EngineUnloadAdapter",
+    "GrammarCompile",
+    "GrammarCompiled",
+    "GrammarWorkerHello",
     "ADAPTER_PATHS",
     "ADMIN_REQUESTS",
     "CLIENT_REQUESTS",
@@ -170,6 +175,7 @@ __all__ = [
     "PinAdapterRequest",
     "PingRequest",
     "PongReply",
+    "PromptLogprobs",
     "RemoveAdapterRequest",
     "SetPolicyRequest",
     "StatsReply",

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex import ENGINE_INSTALL, ENGINE_MODULES
+from loraplex import ENGINE_INSTALL, ENGINE_MODULES, registry_cli
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +139,10 @@ _SERVE_FLAGS = (
     ("--state-dir", "server.state_dir", str, "directory of the adapter registry"),
     ("--tcp-listen", "server.tcp_listen", str, "also serve clients on tcp://HOST:PORT"),
     ("--decision-log", "server.decision_log", str, "append one JSON line per scheduled step to this file"),
+    ("--grammar-compile-timeout-s", "server.grammar_compile_timeout_s", float,
+     "structured output: seconds a grammar may take to compile (else grammar_too_complex)"),
+    ("--grammar-compile-memory-mb", "server.grammar_compile_memory_mb", int,
+     "structured output: MiB one grammar compile may take (else grammar_too_complex)"),
 )
 
 
@@ -285,15 +289,23 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _configure_adapters(parser: argparse.ArgumentParser) -> None:
-    _runtime_dir_arg(parser)
-    parser.add_argument("--state-dir", type=Path, default=None,
+def _adapters_place_args(parser: argparse.ArgumentParser, *, inner: bool = False) -> None:
+    """Which daemon or registry: before the action or after it (`adapters list --runtime-dir D`).
+    inner: on an action's subparser, whose unset defaults must not override values given before it."""
+    _runtime_dir_arg(parser, inner=inner)
+    unset = argparse.SUPPRESS if inner else None
+    parser.add_argument("--state-dir", type=Path, default=unset,
                         help="registry location used when no daemon is running")
-    parser.add_argument("--model", default=None,
+    parser.add_argument("--model", default=unset,
                         help="with no daemon running: the base model whose adapters these are (default: the "
                              "configured model.model, else the built-in demo); the registry keeps each model's apart")
+
+
+def _configure_adapters(parser: argparse.ArgumentParser) -> None:
+    _adapters_place_args(parser)
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    lister = sub.add_parser("list", help="list registered adapters")
+    lister = sub.add_parser("list", help="list the adapters (with no daemon running: the registered ones and, "
+                                         "serving the built-in demo, the demo's)")
     lister.add_argument("--tier", choices=("gpu", "host", "disk"), default=None,
                         help="only the adapters in this tier of a running daemon (GPU pool, host store, on disk)")
     add = sub.add_parser("add", help="register an adapter (PEFT directory)")
@@ -306,6 +318,8 @@ def _configure_adapters(parser: argparse.ArgumentParser) -> None:
     for action in ("pin", "unpin"):
         p = sub.add_parser(action, help=f"{action} an adapter in the GPU cache")
         p.add_argument("name")
+    for action_parser in sub.choices.values():
+        _adapters_place_args(action_parser, inner=True)
 
 
 def _run_adapters(args: argparse.Namespace) -> int:
@@ -319,7 +333,7 @@ def _run_adapters(args: argparse.Namespace) -> int:
 
     runtime_dir = args.runtime_dir if args.runtime_dir is not None else default_runtime_dir()
     if not daemon_listening(runtime_dir):
-        return _adapters_via_registry(args)
+        return _adapters_via_registry(args, runtime_dir)
     try:
         with AdminClient(runtime_dir=runtime_dir) as admin:
             admin.ping(timeout=ADMIN_PING_TIMEOUT_S)
@@ -361,7 +375,10 @@ def _adapters_via_daemon(admin, args: argparse.Namespace) -> int:
     return 0
 
 
-def _adapters_via_registry(args: argparse.Namespace) -> int:
+def _adapters_via_registry(args: argparse.Namespace, runtime_dir: Path) -> int:
+    import sqlite3
+
+    from loraplex.adapters_offline import print_offline_list
     from loraplex.daemon.config import ConfigError, default_state_dir, load_config
     from loraplex.daemon.model_scope import ModelScopeError, model_scope
     from loraplex.daemon.registry import AdapterRegistry, RegistryError
@@ -379,8 +396,7 @@ def _adapters_via_registry(args: argparse.Namespace) -> int:
                 if args.tier is not None:
                     print("loraplex adapters: error: --tier needs a running daemon", file=sys.stderr)
                     return 1
-                for r in registry.list():
-                    print(f"{r.name}\trank={r.rank or '?'}\tregistered\t-\t{r.path}")
+                print_offline_list(registry.list(), serves_demo=model is None, runtime_dir=runtime_dir)
                 others = registry.count_other_models()
                 if others:
                     print(f"({others} more registered for other base models or not yet claimed by one; "
@@ -399,6 +415,10 @@ def _adapters_via_registry(args: argparse.Namespace) -> int:
                 print(f"{args.action}ned {args.name}")
     except (RegistryError, OSError) as exc:
         print(f"loraplex adapters: error: {exc}", file=sys.stderr)
+        return 1
+    except sqlite3.Error as exc:  # a damaged registry, or a full state disk
+        print(f"loraplex adapters: error: the adapter registry in {state_dir} cannot be used ({exc}); "
+              "`loraplex registry check` says why", file=sys.stderr)
         return 1
     return 0
 
@@ -605,6 +625,8 @@ COMMANDS: dict[str, Command] = {
                         run=_run_generate),
     "adapters": Command(help="list, add, remove or pin adapters", configure=_configure_adapters,
                         run=_run_adapters),
+    "registry": Command(help="check the adapter registry file, or repair a damaged one (keeping a backup)",
+                        configure=registry_cli.configure, run=registry_cli.run),
     "stats": Command(help="a summary of the daemon's metrics (--json: the whole document)", configure=_configure_stats,
                      run=_run_stats),
     "cleanup": Command(help="remove the sockets and shared memory a killed daemon left in its runtime directory "

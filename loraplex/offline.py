@@ -18,6 +18,7 @@ from typing import Mapping, Sequence as Seq
 
 from loraplex.contracts.names import NAME_RULE, is_valid_name
 from loraplex.daemon.memory.allocator import PageAllocator
+from loraplex.daemon.prompt_logprobs import PromptLogprobBook
 from loraplex.daemon.scheduler.fcfs import FcfsScheduler, SchedulerConfig
 from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
 from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS, EngineSpec
@@ -49,6 +50,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     min_tokens: int = 0
     guided: Guided | None = None  # structured output: Guided.json(schema), .regex(...), .choice([...])
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, with this many alternatives
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -77,7 +79,8 @@ class SamplingParams:
                             logit_bias_values=list(bias.values()), min_tokens=self.min_tokens,
                             stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
                             guided_kind=self.guided.kind if self.guided else "",
-                            guided_spec=self.guided.spec if self.guided else "")
+                            guided_spec=self.guided.spec if self.guided else "",
+                            prompt_logprobs=-1 if self.prompt_logprobs is None else self.prompt_logprobs)
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +97,10 @@ class RequestOutput:
     logprobs: list[float] | None
     finish_reason: str
     top_logprobs: list[dict[int, float]] | None = None  # per token: the most likely token ids -> logprob
+    # With SamplingParams.prompt_logprobs: each prompt token's logprob given those before it (None
+    # for the first), and its alternatives (token id -> logprob; None for the first).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLM:
@@ -130,6 +137,7 @@ class LLM:
         self.tokenizer = self._load_tokenizer()
         self._ids = itertools.count()
         self.load_wait_ms = 0.0  # compute time spent waiting for adapter layer groups, all calls
+        self._prompt_books: dict[str, PromptLogprobBook] = {}  # requests asking for prompt logprobs
 
     def _load_tokenizer(self):
         path = self.model_dir / "tokenizer.json"
@@ -174,6 +182,8 @@ class LLM:
             raise ValueError(f"got {n} prompts, {len(adapter_list)} adapters and {len(sampling_list)} sampling params")
         requests = [self._make_request(p, a, s) for p, a, s in zip(prompt_list, adapter_list, sampling_list)]
         seqs: list[Sequence] = []
+        self._prompt_books = {r.request_id: PromptLogprobBook(r.sampling.prompt_logprobs) for r in requests
+                              if r.sampling.prompt_logprobs >= 0}
         try:
             for req in requests:
                 seqs.append(self.scheduler.add(req))
@@ -195,6 +205,8 @@ class LLM:
                 self.scheduler.discard_inflight()
                 raise
             self.load_wait_ms += result.load_wait_ms
+            for chunk in result.prompt_logprobs:
+                self._prompt_books[chunk.request_id].add(chunk)
             self.scheduler.apply(plan, result)
 
     def _make_request(self, prompt: Prompt, adapter: str | None, params: SamplingParams) -> SeqRequest:
@@ -241,6 +253,7 @@ class LLM:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        book = self._prompt_books.get(seq.request_id)
         return RequestOutput(
             request_id=seq.request_id,
             adapter=seq.req.adapter,
@@ -250,6 +263,9 @@ class LLM:
             logprobs=[float(lp) for lp in seq.logprobs] if seq.req.sampling.logprobs else None,
             finish_reason=seq.finish_reason or "unknown",
             top_logprobs=list(seq.top_logprobs) if seq.req.sampling.top_logprobs else None,
+            prompt_logprobs=[None, *book.logprobs] if book is not None else None,
+            prompt_top_logprobs=[None, *(dict(zip(ids, lps)) for ids, lps in zip(book.top_ids, book.top_logprobs))]
+            if book is not None and book.k else None,
         )
 
 

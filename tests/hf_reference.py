@@ -43,3 +43,26 @@ def greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], new_tok
             logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
             step_input = torch.tensor([[token]])
     return tokens, logprobs
+
+
+@lru_cache(maxsize=8)
+def _float64(model_dir: str, adapter_dir: str | None):
+    """The model (with the adapter, unmerged) in float64: a reference whose own rounding is
+    negligible next to a float32 engine's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    return model.double().eval()
+
+
+def prompt_logprobs(model_dir: Path, adapter_dir: Path | None, prompt: list[int]) -> torch.Tensor:
+    """float64 log_softmax of every prompt position's logits [len(prompt), vocab] (one forward
+    of the whole prompt): row p is the distribution of the token after position p."""
+    model = _float64(str(model_dir), None if adapter_dir is None else str(adapter_dir))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].double()
+    return torch.log_softmax(logits, dim=-1)

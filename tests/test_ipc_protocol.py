@@ -20,6 +20,7 @@ from loraplex.ipc.protocol import (
     DetokenizeRequest,
     TokenizedReply,
     TokenizeRequest,
+    PromptLogprobs,
     TopLogprobs,
     AdaptersReply,
     AddAdapterRequest,
@@ -53,7 +54,8 @@ from loraplex.ipc.protocol import (
     register,
 )
 from loraplex.ipc.adapter_store import store_entry_layout
-from loraplex.ipc.engine_plan import AdapterPlacement, RowPlan, RowResult, SamplingSpec, StepPlan, StepResult
+from loraplex.ipc.engine_plan import (AdapterPlacement, GrammarOrder, RowPlan, RowResult, SamplingSpec, StepPlan,
+                                      StepResult)
 from loraplex.ipc.exchange import exchange_layout
 from loraplex.ipc.plan_delta import PlanEncoder
 from loraplex.ipc.protocol import (
@@ -67,6 +69,9 @@ from loraplex.ipc.protocol import (
     CpuWorkerFailure,
     CpuWorkerHello,
     CpuWorkerShutdown,
+    GrammarCompile,
+    GrammarCompiled,
+    GrammarWorkerHello,
 )
 
 _EXCHANGE = exchange_layout("/lpx-0123456789ab-exchange", 2, 64, 64, 32, 96, 16)
@@ -81,6 +86,7 @@ _PLAN = StepPlan(
                   sample_index=2)],
     place=[AdapterPlacement(name="sql", pages=[4, 1])],
     evict=["old"],
+    grammars=[GrammarOrder(kind="regex", spec="[a-z]+")],
 )
 
 # One instance per registered type, every field away from its default.
@@ -103,7 +109,7 @@ SAMPLES: list[Message] = [
     EngineStep(plan=_PLAN),
     EngineStepDelta(delta=PlanEncoder().encode(_PLAN)),
     EngineStepDone(result=StepResult(step_id=7, rows=[RowResult(request_id="ab/r1", token_id=3, logprob=-0.5)],
-                                     forward_ms=1.5, sample_ms=0.25)),
+                                     forward_ms=1.5, sample_ms=0.25, grammars_ready=["ab12"])),
     EngineShutdown(),
     EngineFailure(code="engine_failed", message="boom", subject="7", fatal=True),
     CpuWorkerHello(index=3, pid=4242, core=5, torch_threads=2),
@@ -117,6 +123,9 @@ SAMPLES: list[Message] = [
     CpuCalibration(request_id=2, index=3, hidden=4096, tokens=128, ranks=[8, 16], tokens_per_s=[2.5e5, 2.0e5],
                    dtype="bfloat16", cpu_model="AMD EPYC", torch_version="2.13.0"),
     CpuWorkerShutdown(),
+    GrammarWorkerHello(pid=4244, vocab_size=512),
+    GrammarCompile(kind="json_schema", spec='{"type": "object"}', timeout_s=5.0, memory_bytes=1 << 30),
+    GrammarCompiled(verdict="too_complex", message="the json_schema did not compile within 5 s", seconds=5.01),
     GenerateRequest(
         request_id="req-7f3a",
         prompt_token_ids=[1, 15043, 2],
@@ -143,6 +152,7 @@ SAMPLES: list[Message] = [
         priority=-3,
         slo_ttft_ms=250.0,
         deadline_ms=30_000.0,
+        prompt_logprobs=2,
     ),
     CancelRequest(request_id="req-7f3a"),
     TokenizeRequest(request_id="t1", prompt="héllo"),
@@ -165,6 +175,9 @@ SAMPLES: list[Message] = [
         text=" the cat",
         choices=[ChoiceOutcome(index=0, finish_reason="length", token_ids=[450, 4996], text=" the cat"),
                  ChoiceOutcome(index=1, finish_reason="stop", token_ids=[2], text="")],
+        prompt_logprobs=PromptLogprobs(token_ids=[1, 15043], texts=["", "hi"], logprobs=[None, -3.25], ranks=[None, 7],
+                                       top=[TopLogprobs(token_ids=[], logprobs=[], texts=[]),
+                                            TopLogprobs(token_ids=[9], logprobs=[-0.5], texts=["a"])]),
     ),
     ErrorReply(request_id="req-7f3a", code="unknown_adapter", message="no adapter named 'x'"),
     AdaptersReply(

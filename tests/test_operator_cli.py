@@ -3,8 +3,8 @@ requests running), `loraplex stats` prints a short summary (`--json` the whole
 document), `loraplex policy get` prints the policies in use, and `loraplex top`, fed the
 daemon's own stats document through Textual's run_test pilot, shows the live step time
 and batch on the engine row, the CPU workers, and every request in flight. Mistakes an
-operator makes (a second serve, an unsupported model, a path-traversal adapter name) get
-one line, not a traceback."""
+operator makes (a second serve on the same runtime or state directory, an unsupported
+model, a path-traversal adapter name) get one line, not a traceback."""
 from __future__ import annotations
 
 import asyncio
@@ -137,13 +137,17 @@ def _serve(*args: str, env: dict[str, str], timeout_s: float = 120) -> subproces
                           timeout=timeout_s)
 
 
-def test_a_second_serve_on_a_busy_runtime_directory_is_one_line(busy) -> None:
+def test_a_second_serve_on_a_busy_runtime_directory_is_one_line(busy, tmp_path) -> None:
     daemon, _, _ = busy
-    proc = _serve("serve", env=daemon.env)
+    proc = _serve("serve", env={**daemon.env, "LORAPLEX_STATE_DIR": str(tmp_path / "state")})
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.splitlines()[-1] == (
         f"loraplex serve: error: a daemon already serves {daemon.runtime_dir} (another process is listening on "
         f"{daemon.runtime_dir / 'client.sock'}); stop it first, or give this one another --runtime-dir")
+    proc = _serve("serve", env=daemon.env)  # its state directory too: the state lock answers first
+    assert proc.returncode == 1 and proc.stderr.splitlines() == [
+        f"loraplex serve: error: state directory {daemon.state_dir} is in use by another loraplex daemon serving "
+        f"this base model (pid {daemon.proc.pid}); stop it first, or give this one another --state-dir"], proc.stderr
     with daemon.client() as client:
         assert client.ping(timeout=5.0) >= 0  # the first daemon is untouched
 
@@ -173,3 +177,68 @@ def test_a_path_traversal_adapter_name_is_one_line(busy, demo, tmp_path, capsys)
     env = {**os.environ, "LORAPLEX_RUNTIME_DIR": str(tmp_path / "rt"), "LORAPLEX_STATE_DIR": str(tmp_path / "state")}
     proc = _serve("serve", "--adapter", f"{name}={demo.adapters['qv-r8']}", env=env)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+# -- `loraplex adapters` with no daemon (issue 31.8) ------------------------------------------------
+
+def _place(tmp_path) -> list[str]:
+    """A runtime directory no daemon listens in, and a fresh registry."""
+    return ["--runtime-dir", str(tmp_path / "rt"), "--state-dir", str(tmp_path / "state")]
+
+
+def test_adapters_take_the_runtime_and_state_dirs_after_the_action_too(tmp_path, monkeypatch, capsys) -> None:
+    from loraplex.contracts.demo import trained_demo_dir
+
+    monkeypatch.setenv("LORAPLEX_DEMO", "trained")
+    runtime, state = _place(tmp_path)[:2], _place(tmp_path)[2:]
+    assert cli_main(["adapters", "add", "mine", str(trained_demo_dir() / "adapters" / "amen"), *runtime, *state]) == 0
+    assert capsys.readouterr().out.startswith("added mine")
+    outputs = []
+    for argv in (["adapters", *runtime, *state, "list"], ["adapters", "list", *runtime, *state],
+                 ["adapters", *state, "list", *runtime]):  # before, after, and one of each
+        assert cli_main(argv) == 0, argv
+        outputs.append(capsys.readouterr())
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert outputs[0].err.startswith(f"no loraplex daemon is running in {tmp_path / 'rt'}: "), outputs[0].err
+    assert "mine\trank=16\tregistered\t-\t" in outputs[0].out  # its real rank, though the registry has none yet
+    assert cli_main(["adapters", "rm", "mine", *runtime, *state]) == 0
+
+
+@pytest.mark.parametrize("kind", ["trained", "random"])
+def test_adapters_list_without_a_daemon_shows_the_demo_adapters_and_their_ranks(kind, request, tmp_path,
+                                                                                  monkeypatch, capsys) -> None:
+    from loraplex.contracts.demo import trained_demo_dir
+
+    monkeypatch.setenv("LORAPLEX_DEMO", kind)
+    if kind == "trained":
+        root, ranks = trained_demo_dir(), {"amen": 16, "reverse": 16, "upper": 16}  # README: rank 16
+    else:
+        from loraplex.gpu_engine.demo import DEMO_ADAPTERS
+
+        root, ranks = request.getfixturevalue("demo").root, {spec.name: spec.rank for spec in DEMO_ADAPTERS}
+    assert cli_main(["adapters", "list", *_place(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines()[0].startswith(f"no loraplex daemon is running in {tmp_path / 'rt'}: the registry's "
+                                          "adapters and the built-in demo's"), err
+    assert out.splitlines() == [f"{name}\trank={rank}\tbuilt-in\t-\t{root / 'adapters' / name}"
+                                for name, rank in sorted(ranks.items())]
+    # A registered adapter of a demo adapter's name is the one served (and listed), as at start.
+    shadow = sorted(ranks)[0]
+    assert cli_main(["adapters", "add", shadow, str(root / "adapters" / sorted(ranks)[-1]), *_place(tmp_path)]) == 0
+    capsys.readouterr()
+    assert cli_main(["adapters", *_place(tmp_path), "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{shadow}\trank={ranks[sorted(ranks)[-1]]}\tregistered\t")
+    assert len(lines) == len(ranks) and sum("\tbuilt-in\t" in line for line in lines) == len(ranks) - 1
+
+
+def test_adapters_list_of_the_demo_needs_no_engine_side(tmp_path, monkeypatch) -> None:
+    """On the light install (no torch) the demo's adapters are listed too."""
+    from tests.test_packaging import without_engine
+
+    monkeypatch.setenv("LORAPLEX_DEMO", "trained")
+    proc = without_engine("import sys; from loraplex.cli import main; sys.exit(main(sys.argv[1:]))",
+                          "adapters", "list", *_place(tmp_path))
+    assert proc.returncode == 0 and "no loraplex daemon is running" in proc.stderr, proc.stderr
+    assert [line.split("\t")[:3] for line in proc.stdout.splitlines()] == [
+        ["amen", "rank=16", "built-in"], ["reverse", "rank=16", "built-in"], ["upper", "rank=16", "built-in"]]

@@ -134,3 +134,54 @@ def test_a_built_wheel_holds_every_module(tmp_path: Path) -> None:
             if "__pycache__" not in module.parts:
                 wanted = "/".join((*name.split("."), *module.relative_to(ROOT / folder).parts))
                 assert wanted in names, f"{wanted} missing from the wheel"
+
+
+# setup.py's packages and folders with pyproject.toml's settings, built without the extension
+# (its compile needs pybind11, a build-only requirement): the Python side of `pip install .`.
+BUILD_PY = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("loraplex_setup", "setup.py")
+setup_py = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(setup_py)
+from setuptools import setup
+setup(packages=setup_py.packages(), package_dir=setup_py.ROOTS, script_args=["build_py", "--build-lib", sys.argv[1]])
+"""
+
+
+def test_building_the_package_prints_no_setuptools_warnings(tmp_path: Path) -> None:
+    """What the first `make run` builds (`pip install -e .`): setuptools' build_py on a clean
+    copy warns about nothing (it warned once per data folder of the demo, taken for a package
+    missing from `packages`), and the demo's files are still package data."""
+    import os
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv*", "build", "*.egg-info", ".git", "__pycache__",
+                                                              "*.so", "bench", "tests", "docs", ".hypothesis",
+                                                              ".pytest_cache", ".whl"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # else build_py warns of that
+    proc = subprocess.run([sys.executable, "-c", BUILD_PY, str(tmp_path / "lib")], cwd=src, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "warn" not in (proc.stdout + proc.stderr).lower(), proc.stdout + proc.stderr
+    trained = ROOT / "gpu_engine" / "demo" / "trained"
+    built = tmp_path / "lib" / "loraplex" / "gpu_engine" / "demo" / "trained"
+    for path in trained.rglob("*"):
+        if path.is_file():
+            assert (built / path.relative_to(trained)).is_file(), f"{path.relative_to(ROOT)} left out"
+    assert all((tmp_path / "lib" / "loraplex" / name).is_file() for name in ("py.typed", "_C.pyi"))
+
+
+def test_the_readme_shows_how_to_add_the_cluster_extra_from_a_checkout() -> None:
+    import re
+    import tomllib
+
+    section = (ROOT / "README.md").read_text().split("### Beyond one node")[1].split("\n### ")[0]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    commands = re.findall(r"^\.venv/bin/python -m pip install -e '\.\[([a-z,]+)\]'$", section, re.MULTILINE)
+    assert commands, "no command that adds the cluster extra to a checkout's .venv"
+    for listed in commands:
+        assert "cluster" in listed.split(",") and set(listed.split(",")) <= set(extras), listed
+    # `make venv` (and `make test`) install the test extra, which holds the cluster one.
+    assert "`make venv`" in section and "loraplex[cluster]" in extras["test"]
+    assert re.search(r"^venv: \$\(VENV\)/\.installed-test$", (ROOT / "Makefile").read_text(), re.MULTILINE)

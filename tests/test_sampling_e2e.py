@@ -115,7 +115,7 @@ def test_gateway_top_logprobs_penalties_and_echo(oai):
     chunks = list(oai.completions.create(model=BASE, prompt=[5, 6, 7], max_tokens=3, temperature=0.0, echo=True,
                                          stream=True, **extra))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ids.choices[0].text
-    for bad in ({"logprobs": 2, "echo": True}, {"logit_bias": {"x": 1}}, {"logit_bias": {"5": 500}},
+    for bad in ({"extra_body": {"prompt_logprobs": 21}}, {"logit_bias": {"x": 1}}, {"logit_bias": {"5": 500}},
                 {"presence_penalty": 9}, {"logprobs": 21}):
         with pytest.raises(openai.BadRequestError):
             oai.completions.create(model=BASE, prompt="x", max_tokens=2, **bad)

@@ -192,3 +192,32 @@ def test_head_of_line_bypass_is_bounded() -> None:
     drive(engine, {})
     assert engine.first_token["head"] <= engine.first_token["small2"]
     assert_drained(sched)
+
+
+def test_lanes_describe_each_queue_for_the_console() -> None:
+    """The stats document's `queues` (the console's Queues panel): one row per MLQ queue, with
+    its waiting requests, last plan's tokens against its share, oldest wait and WRS cut-off."""
+    clock = FakeClock()
+    sched = build("mlq", 800, clock, max_batched_tokens=32, mlq=MlqConfig(min_fit_samples=8))
+    (lane,) = sched.lanes()  # one queue before the first fit
+    assert lane == {"name": "q0", "depth": 0, "share": 1.0, "quota_used": 0, "quota_total": 32,
+                    "oldest_wait_ms": None, "wrs_cutoff": None}
+    engine = TimedEngine(sched, clock)
+    for i in range(4):
+        engine.add(request(f"s{i}", [1] * 2, 2))
+        engine.add(request(f"l{i}", [1] * 120, 2, "cat"))
+    clock.t += 0.25
+    lanes = sched.lanes()
+    assert [lane["name"] for lane in lanes] == [f"q{i}" for i in range(sched.num_queues)] and len(lanes) >= 2
+    short, long = lanes[sched.level_of("s0")], lanes[sched.level_of("l0")]
+    assert short["depth"] == long["depth"] == 4 and sum(lane["depth"] for lane in lanes) == 8
+    assert short["oldest_wait_ms"] == long["oldest_wait_ms"] == pytest.approx(250.0)
+    assert [lane["wrs_cutoff"] for lane in lanes] == [*sched.cutoffs, None]
+    assert [lane["quota_total"] for lane in lanes] == [round(share * 32) for share in sched.shares]
+    plan = sched.schedule()
+    lanes = sched.lanes()
+    assert sum(lane["quota_used"] for lane in lanes) == plan.num_tokens > 0
+    for kind in "sl":  # each lane's tokens are its own requests' rows
+        lane = lanes[sched.level_of(f"{kind}0")]
+        assert lane["quota_used"] == sum(len(r.token_ids) for r in plan.rows if r.request_id[0] == kind) > 0
+        assert lane["depth"] == 4 - sum(r.request_id[0] == kind for r in plan.rows)

@@ -3,12 +3,15 @@ flag), N = 2 rank processes running protocol orders through the engine's own cod
 (mixed batches of base rows and adapters with odd ranks, rsLoRA, MLP targets, on the
 GQA demo; dLoRA merged mode; layer-group loads) with the greedy tokens of one device
 and its logprobs within fp32 tolerance; `loraplex serve --tensor-parallel-size 2` end to
-end against transformers + PEFT; a rank SIGKILLed mid-stream; a model that cannot
-split refused at start."""
+end against transformers + PEFT; a rank SIGKILLed mid-stream; a rank SIGSTOPped
+mid-stream, found by its silent heartbeat within seconds; a model that cannot split
+refused at start."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import select
 import signal
 import time
 from pathlib import Path
@@ -312,6 +315,45 @@ def test_a_rank_killed_mid_stream_loses_nothing(tp_daemon):
     assert len(again.token_ids) == 3
     assert elapsed < 25, f"recovery took {elapsed:.0f} s: a rank waited on the dead one (the timeout is 30 s)"
     assert "tensor-parallel rank 1" in tp_daemon.log()
+
+
+def test_a_rank_stopped_mid_stream_is_found_within_seconds(tp_daemon):
+    """SIGSTOP rank 1 mid-stream: it stops beating, so rank 0 ends the engine within its heartbeat timeout
+    (not the 30 s collective timeout, nor the 60 s step deadline), and the daemon restarts the group and
+    finishes the stream unchanged."""
+    from loraplex.gpu_engine.tp.group import RANK_HEARTBEAT_TIMEOUT_S
+
+    prompt = torch.randint(3, 512, (9,)).tolist()
+    with tp_daemon.client() as client:
+        reference = client.generate(prompt, adapter="odd-r7-rs", max_tokens=120, temperature=0.0, ignore_eos=True,
+                                    timeout=120)
+        before = client.stats()
+        engine_pid = before["engine"]["pid"]
+        rank1 = _ranks_of(engine_pid)[1]
+        engine = os.pidfd_open(engine_pid)  # readable once rank 0 has exited
+        stream = client.stream(prompt, adapter="odd-r7-rs", max_tokens=120, temperature=0.0, ignore_eos=True,
+                               timeout=120)
+        chunks, detected = [], None
+        try:
+            for chunk in stream:
+                chunks.append(chunk)
+                if len(chunks) == 4:
+                    os.kill(rank1, signal.SIGSTOP)  # alive, holding its sockets, answering nothing
+                    stopped = time.monotonic()
+                    if select.select([engine], [], [], 60)[0]:
+                        detected = time.monotonic() - stopped
+        finally:
+            os.close(engine)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank1, signal.SIGKILL)  # never leave a stopped process behind a failed test
+        result = stream.result
+        after = client.stats()
+    print(f"stopped rank found after {detected} s")
+    assert detected is not None, "rank 0 never went down with its stopped rank"
+    assert detected < RANK_HEARTBEAT_TIMEOUT_S + 2.0 <= 5.0, f"a stopped rank was found after {detected:.1f} s"
+    assert result.token_ids == reference.token_ids and [t for c in chunks for t in c.token_ids] == reference.token_ids
+    assert after["engine_restarts"] > before["engine_restarts"] and after["engine"]["pid"] != engine_pid
+    assert "tensor-parallel rank 1" in tp_daemon.log() and "sent no heartbeat" in tp_daemon.log()
 
 
 @pytest.mark.slow

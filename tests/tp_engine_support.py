@@ -6,6 +6,7 @@ settles the group's verdict. Rank 0 writes its greedy tokens and logprobs to a
 safetensors file, never pickled; the spawn arguments are plain strings and ints."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,7 +63,10 @@ def drive(case: EngineCase, run: Callable[[object], object], assist=None) -> tup
         pages.append(list(range(next_page, next_page + n)))
         next_page += n
     assert next_page <= case.num_pages, f"the case needs {next_page} pages"
-    rows = [RowPlan(f"r{i}", list(p), 0, pages[i], case.names[i], True, GREEDY)
+    k = case.extra.get("prompt_logprobs")  # the prefill also scores every prompt token (RowPlan.prompt_scored)
+    first = GREEDY if k is None else dataclasses.replace(GREEDY, prompt_logprobs=k)
+    rows = [RowPlan(f"r{i}", list(p), 0, pages[i], case.names[i], True, first,
+                    prompt_scored=len(p) - 1 if k is not None else 0)
             for i, p in enumerate(case.prompts)]
     tokens, logprobs = [], []
     for step in range(case.new_tokens):
@@ -77,6 +81,9 @@ def drive(case: EngineCase, run: Callable[[object], object], assist=None) -> tup
             stalled = case.extra.get("stalled_workers", False)
             assert reply.result.cpu_timeouts == int(stalled), f"{reply.result.cpu_timeouts} CPU sites timed out"
             assert (reply.result.transfer_bytes["assist_h2d"] > 0) != stalled, "deltas from workers that ran none"
+        if step == 0 and k is not None:  # each row's prompt logprobs, rows in order, one flat tensor
+            chunks = {c.request_id: c.logprobs for c in reply.result.prompt_logprobs}
+            case.extra["scored"] = [lp for r in rows for lp in chunks[r.request_id]]
         by_id = {r.request_id: r for r in reply.result.rows}
         sampled = [by_id[r.request_id] for r in rows]
         tokens.append([r.token_id for r in sampled])
@@ -132,6 +139,8 @@ def rank_main(rank: int, world_size: int, store_file: str, cases_json: str, out_
         results = {}
         for i, one in enumerate(cases):
             results[f"tokens.{i}"], results[f"logprobs.{i}"] = drive(one, run, assist)
+            if "scored" in one.extra:
+                results[f"scored.{i}"] = torch.tensor(one.extra["scored"], dtype=torch.float64)
         control.share(EngineShutdown())
         save_file(results, str(Path(out_dir) / "result.safetensors"))
     finally:

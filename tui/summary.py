@@ -88,7 +88,8 @@ def _pcie(stats: Mapping[str, Any]) -> str:
     h2d, d2h = num(dig(pcie, "h2d_mb_s")), num(dig(pcie, "d2h_mb_s"))
     return _line("pcie", f"h2d {MISSING if h2d is None else f'{h2d:.1f}'} MB/s",
                  f"d2h {MISSING if d2h is None else f'{d2h:.1f}'} MB/s",
-                 f"{fmt_pct(dig(pcie, 'utilisation_pct'), fraction=False)} of the link")
+                 "no GPU link" if isinstance(pcie, Mapping) and num(pcie.get("link_mb_s")) is None
+                 else f"{fmt_pct(dig(pcie, 'utilisation_pct'), fraction=False)} of the link")
 
 
 def _cpu(stats: Mapping[str, Any]) -> str | None:

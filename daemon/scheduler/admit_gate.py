@@ -1,8 +1,9 @@
 """Whether a queued sequence may enter the batch of the plan being built (torch-free), and the
 resources it enters with: a seat (max_num_seqs, max_loras_per_batch), its adapter's pages, the
 cached prefix it starts from and the KV pages of its first chunk. Owns the requests this plan
-leaves queued on purpose: those waiting for their adapter to arrive (admit_when_loaded) or for a
-running prefill to compute the prompt page they share, with a seat and pages held for them.
+leaves queued on purpose: those waiting for their adapter to arrive (admit_when_loaded), for
+their engine to compile their grammar (grammar_book.py) or for a running prefill to compute the
+prompt page they share, with a seat and pages held for them.
 
 It never moves a sequence between the queue and the batch, and never preempts: the scheduler
 does both (base.py).
@@ -13,6 +14,7 @@ from typing import Callable
 
 from loraplex.daemon.memory.adapter_residency import AdapterResidency
 from loraplex.daemon.scheduler.config import SchedulerConfig
+from loraplex.daemon.scheduler.grammar_book import GrammarBook
 from loraplex.daemon.scheduler.kv_pages import KvPages
 from loraplex.daemon.scheduler.prefix_reuse import PrefixReuse
 from loraplex.daemon.scheduler.sequence import Sequence
@@ -22,8 +24,9 @@ class AdmitGate:
     """`running`: the scheduler's batch (read only)."""
 
     def __init__(self, config: SchedulerConfig, adapters: AdapterResidency, kv: KvPages, prefix: PrefixReuse,
-                 adapter_pages: Callable[[str], int], running: list[Sequence]) -> None:
+                 adapter_pages: Callable[[str], int], running: list[Sequence], grammars: GrammarBook) -> None:
         self.config = config
+        self.grammars = grammars
         self.adapters = adapters
         self.kv = kv
         self.prefix = prefix
@@ -54,6 +57,9 @@ class AdmitGate:
             # this one shares with it, instead of computing them twice (n > 1 siblings, a burst
             # of one system prompt); like a request awaiting its adapter, others may pass it.
             self._await(seq, n)
+            return None
+        if self.grammars.must_wait(seq.req.sampling, planning or bool(self.running)):
+            self._await(seq, n)  # its grammar compiles off the step meanwhile; others may pass it
             return None
         adapter = seq.req.adapter
         if adapter is not None and self._must_await_load(adapter, planning):

@@ -28,6 +28,7 @@ from loraplex.daemon.scheduler.admit_gate import AdmitGate
 from loraplex.daemon.scheduler.clustering import AdapterClustering
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.estimators import OutputLengthPredictor, StepCostModel
+from loraplex.daemon.scheduler.grammar_book import GrammarBook
 from loraplex.daemon.scheduler.kv_pages import KvPages
 from loraplex.daemon.scheduler.lookahead import InFlight, awaits_token, fill_placeholder
 from loraplex.daemon.scheduler.outputs import TokenRecorder
@@ -65,6 +66,7 @@ class BaseScheduler(ABC):
         self._adapter_rank = adapter_rank or adapter_pages
         self._clock = clock
         self.roster = Roster()
+        self.grammars = GrammarBook()  # what the engine compiled for structured output
         self._wire()
         self._step_ids = itertools.count()
         self.num_preemptions = 0
@@ -87,6 +89,7 @@ class BaseScheduler(ABC):
         self.adapters = other.adapters
         self.prefix_reuse = other.prefix_reuse
         self.roster = other.roster
+        self.grammars = other.grammars
         self._wire()
         self._step_ids = other._step_ids
         self.num_preemptions = other.num_preemptions
@@ -98,7 +101,7 @@ class BaseScheduler(ABC):
         self.kv = KvPages(self.config, self.geometry, self.allocator, self.adapters, self._adapter_pages,
                           self.prefix_reuse)
         self.gate = AdmitGate(self.config, self.adapters, self.kv, self.prefix_reuse, self._adapter_pages,
-                              self.running)
+                              self.running, self.grammars)
 
     @property
     def prefix(self) -> PrefixCache | None:
@@ -184,6 +187,10 @@ class BaseScheduler(ABC):
     def adapter_rank(self, name: str | None) -> int:
         return 0 if name is None else self._adapter_rank(name)
 
+    def lanes(self) -> list[dict[str, object]]:
+        """The policy's queues for the stats document (MLQ's); none for a single queue."""
+        return []
+
     # ---- planning ----------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         if self.inflight.step_id is not None:
@@ -208,7 +215,7 @@ class BaseScheduler(ABC):
             self.kv.prefetch(self.waiting)
         changes = self.adapters.take_changes()
         plan = StepPlan(step_id=next(self._step_ids), rows=self.draft.take_rows(), place=changes.place,
-                        evict=changes.evict, merged_adapter=self.merged_adapter)
+                        evict=changes.evict, merged_adapter=self.merged_adapter, grammars=self.grammars.take_orders())
         self.inflight.step_id = plan.step_id
         return plan
 
@@ -234,6 +241,7 @@ class BaseScheduler(ABC):
         """The engine failed to run the plan in flight and every launched one: their tokens are
         planned again (InFlight.discard)."""
         self.inflight.discard(self.roster.by_id)
+        self.grammars.lost()
 
     def launch(self, plan: StepPlan) -> None:
         """`plan` went to the engine and the next one may be made before its result comes
@@ -322,6 +330,7 @@ class BaseScheduler(ABC):
         """Fold sampled tokens into the sequences; return those that finished in this step."""
         launched = self.inflight.settle(plan, result)
         self.adapters.set_arriving(result.loading)
+        self.grammars.reported(result.grammars_ready)
         step_ms = result.forward_ms + result.sample_ms
         if step_ms <= 0:
             step_ms = (self._clock() - self._scheduled_at) * 1e3
@@ -336,13 +345,16 @@ class BaseScheduler(ABC):
             fed = self.inflight.fed.pop(row.request_id, None)
             if seq is None or fed is None or seq.status is not SeqStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            out = sampled.get(row.request_id)
+            if out is not None and out.error:  # this row failed on the engine (its KV may not be written)
+                self._finish(seq, "error")
+                finished.append(seq)
+                continue
             seq.num_computed += fed
             self.prefix_reuse.offer(seq, plan.merged_adapter)
-            out = sampled.get(row.request_id)
             if not row.sample or out is None:
                 continue
-            # An error: the engine could not sample it (its grammar), so it fails.
-            reason = "error" if out.error else self.outputs.append(seq, out)
+            reason = self.outputs.append(seq, out)
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)

@@ -88,6 +88,7 @@ class MlqScheduler(BaseScheduler):
         self._wait_steps: dict[str, float] = {}  # its expected wait in full steps, as seen at its arrival
         self._bypassed: dict[str, int] = {}
         self._blocked: Sequence | None = None  # first blocked head of this iteration
+        self._served: dict[int, int] = {}  # queue -> tokens its prefills got in the last plan
 
     # ---- classification -----------------------------------------------------------------------
     @property
@@ -96,6 +97,23 @@ class MlqScheduler(BaseScheduler):
 
     def level_of(self, request_id: str) -> int:
         return self._level[request_id]
+
+    def lanes(self) -> list[dict[str, object]]:
+        """One row per queue, highest priority first: its waiting requests, the tokens its prefills
+        got in the last plan against its share of a full step's budget (running decodes come
+        before any quota), its oldest request's wait and its upper WRS cut-off (None: the last)."""
+        now, full, last = self._clock(), self.config.max_batched_tokens, len(self.shares) - 1
+        waiting: dict[int, list[Sequence]] = {}
+        for seq in self.waiting:
+            waiting.setdefault(min(self._level.get(seq.request_id, 0), last), []).append(seq)
+        rows: list[dict[str, object]] = []
+        for level, share in enumerate(self.shares):
+            queue = waiting.get(level, [])
+            rows.append({"name": f"q{level}", "depth": len(queue), "share": share,
+                         "quota_used": self._served.get(level, 0), "quota_total": round(share * full),
+                         "oldest_wait_ms": 1e3 * max(0.0, now - min(s.arrival for s in queue)) if queue else None,
+                         "wrs_cutoff": self.cutoffs[level] if level < len(self.cutoffs) else None})
+        return rows
 
     def wrs(self, input_len: int, output_len: int, rank: int) -> float:
         a, b, c = self.mlq.weights
@@ -172,6 +190,7 @@ class MlqScheduler(BaseScheduler):
     # ---- planning -----------------------------------------------------------------------------
     def _plan(self, now: float) -> None:
         prefilling: dict[int, list[Sequence]] = {}
+        self._served = {}
         for seq in list(self.running):  # non-preemptive: running decodes always go first
             if self.draft.budget == 0:
                 break
@@ -196,6 +215,7 @@ class MlqScheduler(BaseScheduler):
             if self.draft.budget == 0:
                 break
             self._serve(level, self.draft.budget, prefilling, waiting, now)
+        self._served = {level: sum(self.draft.planned(s) for s in seqs) for level, seqs in prefilling.items()}
 
     def _service_order(self, levels: list[int], waiting: dict[int, list[Sequence]], now: float) -> list[int]:
         """Queues whose head is past its expected wait first (most overdue first), then by priority."""

@@ -27,6 +27,7 @@ class PlanDraft:
     def add(self, seq: Sequence, n: int) -> None:
         """A row feeding the next `n` tokens of `seq` (sampling when they are all it has)."""
         start = seq.num_computed
+        scored, following = prompt_scoring(seq, start, n)
         self.rows[seq.request_id] = RowPlan(
             request_id=seq.request_id,
             token_ids=seq.token_slice(start, start + n),
@@ -36,6 +37,8 @@ class PlanDraft:
             sample=start + n == seq.num_tokens,
             sampling=seq.req.sampling,
             sample_index=len(seq.output_ids),
+            prompt_scored=scored,
+            prompt_next=following,
         )
         self.budget -= n
 
@@ -56,3 +59,15 @@ class PlanDraft:
         """The rows, for the StepPlan; the draft is left empty."""
         rows, self.rows = list(self.rows.values()), {}
         return rows
+
+
+def prompt_scoring(seq: Sequence, start: int, n: int) -> tuple[int, int]:
+    """For a row feeding tokens [start, start+n) of `seq`: how many of its leading positions score
+    the prompt token after them (prompt logprobs: position p scores prompt token p+1, so positions
+    up to the prompt's next-to-last do), and the prompt token after the row when its last position
+    scores it (else -1). A recomputed prompt is scored again (the daemon keeps the first values)."""
+    if seq.req.sampling.prompt_logprobs < 0:
+        return 0, -1
+    prompt = seq.req.prompt_ids
+    scored = max(0, min(start + n, len(prompt) - 1) - start)
+    return scored, prompt[start + n] if scored and start + n < len(prompt) else -1

@@ -22,6 +22,14 @@ def runs_merged(adapter: str | None, merged_adapter: str | None) -> bool:
     return adapter is not None and adapter == merged_adapter
 
 
+def reuses_prefix(req: SeqRequest) -> bool:
+    """Whether a request may start from cached pages. Not when its sampling needs every token it
+    has seen fed to the engine (penalties, a grammar: the sampler rebuilds that history from the
+    rows it runs), nor when it asks for prompt logprobs (the logits of every prompt position: the
+    cache keeps KV, not logits, so the whole prompt is computed again and never read stale)."""
+    return not req.sampling.needs_history and req.sampling.prompt_logprobs < 0
+
+
 class PrefixReuse:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_tokens: int,
                  clock: Callable[[], float]) -> None:
@@ -34,7 +42,9 @@ class PrefixReuse:
 
     def expected(self, req: SeqRequest) -> int:
         """Prompt tokens the cache holds for a request being queued (what policies cost it)."""
-        return 0 if self.cache is None else self.cache.peek(req.adapter, req.prompt_ids)
+        if self.cache is None or req.sampling.prompt_logprobs >= 0:
+            return 0
+        return self.cache.peek(req.adapter, req.prompt_ids)
 
     def reuse(self, seq: Sequence, n: int, merged_adapter: str | None) -> int:
         """A sequence entering the batch with no KV takes the longest cached prefix of its tokens
@@ -53,11 +63,9 @@ class PrefixReuse:
         return min(n, seq.num_uncomputed)
 
     def may_reuse(self, seq: Sequence) -> bool:
-        """A sequence with no KV may start from cached pages, unless its sampling needs every token
-        it has seen fed to the engine (penalties, a grammar: the sampler rebuilds that history
-        from the rows it runs, so such a request computes its whole prompt)."""
-        return (self.cache is not None and not seq.kv_pages and not seq.num_computed
-                and not seq.req.sampling.needs_history)
+        """A sequence with no KV may start from cached pages, unless its request must compute its
+        whole prompt (reuses_prefix)."""
+        return self.cache is not None and not seq.kv_pages and not seq.num_computed and reuses_prefix(seq.req)
 
     def in_flight(self, seq: Sequence, running: Iterable[Sequence], merged_adapter: str | None) -> bool:
         """Whether a running sequence with the same adapter will soon offer the cache the next full

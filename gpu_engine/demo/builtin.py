@@ -1,26 +1,19 @@
 """Which demo serves when no model is given: $LORAPLEX_DEMO, `trained` (default) or `random`.
 
-Owns that one choice for the engine, the offline API and the CLI. The random
-demo stays the fixture of the exact-parity tests, which select it here.
+Builds the chosen demo for the engine, the offline API and the CLI; the choice
+itself is loraplex.contracts.demo's (torch-free). The random demo stays the
+fixture of the exact-parity tests, which select it here.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from loraplex.contracts.demo import DEMO_ENV, DEMO_KINDS, builtin_demo_kind  # torch-free: the CLI reads them too
 
 from .model import DemoModel, ensure_demo_model
 from .packaged import install_trained_demo, trained_demo
 
-DEMO_ENV = "LORAPLEX_DEMO"
-DEMO_KINDS = ("trained", "random")
-
-
-def builtin_demo_kind() -> str:
-    """$LORAPLEX_DEMO, else `trained`; anything else is an error that names the choices."""
-    kind = os.environ.get(DEMO_ENV, "").strip() or "trained"
-    if kind not in DEMO_KINDS:
-        raise ValueError(f"{DEMO_ENV} must be one of {', '.join(DEMO_KINDS)}, got {kind!r}")
-    return kind
+__all__ = ["DEMO_ENV", "DEMO_KINDS", "builtin_demo", "builtin_demo_kind"]
 
 
 def builtin_demo(dest: Path | None = None, *, force: bool = False, kind: str | None = None) -> DemoModel:

@@ -1,17 +1,19 @@
 """The random demo: a tiny random-weight Llama, its tokenizer and six LoRA adapters.
 
-Owns the random demo's config, adapter list and cache location; `install.py`
-installs it all-or-nothing. The exact-parity tests and benchmarks use it; the
-trained demo (`packaged.py`) is what serves by default.
+Owns the random demo's config and adapter list (its cache location is
+loraplex.contracts.demo's, torch-free); `install.py` installs it all-or-nothing.
+The exact-parity tests and benchmarks use it; the trained demo (`packaged.py`) is
+what serves by default.
 """
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
+
+from loraplex.contracts.demo import default_demo_dir  # torch-free: the CLI lists the demo too
 
 from .adapter import write_random_adapter
 from .checkpoint import llama_config, write_random_checkpoint
@@ -76,15 +78,6 @@ def demo_model_config() -> dict[str, Any]:
         bos_token_id=1,
         eos_token_id=2,
     )
-
-
-def default_demo_dir() -> Path:
-    """$LORAPLEX_CACHE_DIR/demo-v1, else $XDG_CACHE_HOME/loraplex/demo-v1, else ~/.cache/loraplex/demo-v1."""
-    if cache := os.environ.get("LORAPLEX_CACHE_DIR"):
-        return Path(cache) / "demo-v1"
-    if xdg := os.environ.get("XDG_CACHE_HOME"):
-        return Path(xdg) / "loraplex" / "demo-v1"
-    return Path.home() / ".cache" / "loraplex" / "demo-v1"
 
 
 def _describe(root: Path) -> DemoModel:

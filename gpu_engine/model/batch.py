@@ -36,3 +36,7 @@ class ForwardBatch:
     # PagedRows in a decode-graph runner's static buffers, sized from capacity: the Triton attention
     # reads them instead of building row metadata from `rows` (which may then be empty).
     decode_rows: object | None = None
+    # Prompt logprobs: tokens whose final (normed) hidden states the forward keeps in
+    # `scored_hidden` [P, hidden] for gpu_engine/prompt_logprobs.py; None: no row asked.
+    score_tokens: torch.Tensor | None = None  # [P]
+    scored_hidden: torch.Tensor | None = None

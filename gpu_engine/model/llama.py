@@ -40,7 +40,8 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: UnifiedPool) -> torch.Tensor:
-        """Returns float32 logits [S, vocab] for the sampled tokens."""
+        """Returns float32 logits [S, vocab] for the sampled tokens (and keeps the final states of
+        batch.score_tokens in batch.scored_hidden)."""
         h = self._embed(batch.token_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
         cpu = batch.cpu
@@ -69,6 +70,8 @@ class LlamaModel:
             if cpu is not None:
                 cpu.collect(layer_idx, 3, act, {"down_proj": down})
             h = h + down
+        if batch.score_tokens is not None:  # prompt logprobs: scored later, in chunks (rows are normed alone)
+            batch.scored_hidden = rms_norm(h.index_select(0, batch.score_tokens), self.w.norm, self.cfg.rms_norm_eps)
         last = rms_norm(h.index_select(0, batch.sample_tokens), self.w.norm, self.cfg.rms_norm_eps)
         return self._logits(last)
 

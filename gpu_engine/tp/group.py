@@ -10,9 +10,12 @@ command line with the engine spec. The model's collectives run in the default gr
 travel over a gloo control group (gpu_engine/tp/control.py).
 
 Dying together: every other rank dies with rank 0 (PDEATHSIG); rank 0 watches its
-children's pidfds and exits at once when one ends unasked, so the daemon's link sees
-its engine exit and restarts the whole group, recomputing its requests. The model
-group's timeout is the backstop for a rank that hangs instead of dying.
+children's pidfds and their heartbeats (a byte every 0.5 s on a pipe, from a thread: a
+stopped rank, or one stuck holding the GIL, falls silent) and exits at once when one
+ends unasked or, once the group serves, stays silent RANK_HEARTBEAT_TIMEOUT_S, so the
+daemon's link sees its engine exit and restarts the whole group, recomputing its
+requests. The model group's timeout is the last backstop for a rank that hangs in a
+collective while still beating.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +37,7 @@ import torch.distributed as dist
 from loraplex.contracts.engine_spec import EngineSpec
 from loraplex.gpu_engine.tp.comm import TpComm
 from loraplex.gpu_engine.tp.control import ControlChannel
+from loraplex.ipc.heartbeat import BEAT_INTERVAL_S, HEARTBEAT_FD_FLAG
 from loraplex.ipc.protocol import EngineShutdown, Message
 from loraplex.ipc.shm import unlink_owned
 
@@ -41,7 +46,12 @@ WORKER_MODULE = "loraplex.gpu_engine.tp.worker"
 LOOPBACK_IFNAME = "lo"
 MODEL_TIMEOUT_S = 30.0  # one collective of a step: a rank silent this long is hung (the backstop)
 START_TIMEOUT_S = 180.0  # every rank joined: includes their imports on a loaded host
-RANK_DIED_EXIT = 3  # rank 0's exit status when another rank died under it
+RANK_DIED_EXIT = 3  # rank 0's exit status when another rank died under it (or went silent)
+# A serving rank silent this long (beating every BEAT_INTERVAL_S) is stopped or wedged: the engine goes
+# down. The daemon's own default for its children (server.heartbeat_timeout_s). Until rank 0 says the
+# group serves (RankGroup.serving), START_TIMEOUT_S: joining and loading may hold a rank's GIL for seconds
+# (a CUDA context, a shard's load), and the daemon's start timeout covers that phase.
+RANK_HEARTBEAT_TIMEOUT_S = 3.0
 STOP_GRACE_S = 10.0
 
 
@@ -55,11 +65,13 @@ class RankArgs:
     store_file: str
     parent_pid: int
     demo: bool  # serving the built-in demo model: its adapters are allowed too
+    heartbeat_fd: int | None = None  # the write end of its heartbeat pipe to rank 0 (inherited)
 
     def argv(self) -> list[str]:
+        beat = [] if self.heartbeat_fd is None else [HEARTBEAT_FD_FLAG, str(self.heartbeat_fd)]
         return [sys.executable, "-m", WORKER_MODULE, "--spec", self.spec.to_json(), "--rank", str(self.rank),
                 "--world-size", str(self.world_size), "--store-file", self.store_file,
-                "--parent-pid", str(self.parent_pid)] + (["--demo"] if self.demo else [])
+                "--parent-pid", str(self.parent_pid)] + beat + (["--demo"] if self.demo else [])
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,22 +128,35 @@ class RankGroup:
         private = tempfile.mkdtemp(prefix="loraplex-tp-")  # 0700
         path = os.path.join(private, "rendezvous")
         procs: list[subprocess.Popen] = []
+        beats: list[int] = []  # the read ends of the ranks' heartbeat pipes
         watcher = None
         try:
             store = open_store(path, n)
             for rank in range(1, n):
-                args = RankArgs(spec, rank, n, path, os.getpid(), demo)
-                procs.append(subprocess.Popen(args.argv(), stdin=subprocess.DEVNULL))
-            watcher = _Watcher(procs)  # watching already: a rank dying before it joined ends the start too
+                read_fd, write_fd = os.pipe()
+                beats.append(read_fd)
+                try:
+                    args = RankArgs(spec, rank, n, path, os.getpid(), demo, heartbeat_fd=write_fd)
+                    procs.append(subprocess.Popen(args.argv(), stdin=subprocess.DEVNULL, pass_fds=(write_fd,)))
+                finally:
+                    os.close(write_fd)  # the rank holds it now: its exit closes the pipe
+            watcher = _Watcher(procs, beats)  # watching already: a rank dying before it joined ends the start too
             return cls(procs, watcher, join(0, n, store, spec.device))
         except BaseException:
             if watcher is not None:
                 watcher.stopping.set()
+            else:
+                for fd in beats:
+                    os.close(fd)
             for proc in procs:
                 proc.kill()
             raise
         finally:
             shutil.rmtree(private, ignore_errors=True)
+
+    def serving(self) -> None:
+        """Every rank has built its runtime: from now on a rank silent RANK_HEARTBEAT_TIMEOUT_S is stopped."""
+        self.watcher.timeout_s = RANK_HEARTBEAT_TIMEOUT_S
 
     @property
     def pids(self) -> list[int]:
@@ -165,22 +190,52 @@ class RankGroup:
 
 
 class _Watcher:
-    """A thread on the other ranks' pidfds: one that exits unless the group is stopping takes
-    rank 0 down at once (exit status RANK_DIED_EXIT), so nothing waits on a dead rank."""
+    """A thread on the other ranks' pidfds and heartbeat pipes: one that exits unless the group is
+    stopping, or falls silent for `timeout_s` after its first beat (SIGSTOPped, or stuck holding the
+    GIL), takes rank 0 down at once (exit status RANK_DIED_EXIT), so nothing waits on it."""
 
-    def __init__(self, procs: list[subprocess.Popen]) -> None:
+    def __init__(self, procs: list[subprocess.Popen], beats: list[int], timeout_s: float = START_TIMEOUT_S) -> None:
         self.procs = procs
         self.stopping = threading.Event()
+        self.timeout_s = timeout_s
         self.fds = {os.pidfd_open(p.pid): (rank, p) for rank, p in enumerate(procs, start=1)}
+        self.beats = {fd: rank for rank, fd in enumerate(beats, start=1)}
+        for fd in beats:
+            os.set_blocking(fd, False)
+        self.last_beat: dict[int, float] = {}  # rank -> monotonic time of its last byte; absent before the first
         threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        readable, _, _ = select.select(list(self.fds), [], [])
-        if self.stopping.is_set():
+        while True:  # timeout_s may change (RankGroup.serving): read it each round
+            readable, _, _ = select.select([*self.fds, *self.beats], [], [], BEAT_INTERVAL_S)
+            if self.stopping.is_set():
+                return
+            now = time.monotonic()
+            for fd in readable:
+                if fd in self.fds:
+                    rank, proc = self.fds[fd]
+                    self._fail(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status {proc.wait()}")
+                if fd in self.beats:
+                    self._drain(fd, now)
+            for rank, last in self.last_beat.items():
+                if now - last > self.timeout_s:
+                    proc = self.procs[rank - 1]
+                    self._fail(f"tensor-parallel rank {rank} (pid {proc.pid}) sent no heartbeat for "
+                               f"{now - last:.1f} s (stopped or hung)")
+
+    def _drain(self, fd: int, now: float) -> None:
+        try:
+            data = os.read(fd, 4096)
+        except BlockingIOError:
             return
-        rank, proc = self.fds[readable[0]]
-        log.error("tensor-parallel rank %d (pid %d) exited with status %s: the engine goes down with it",
-                  rank, proc.pid, proc.wait())
+        if data:
+            self.last_beat[self.beats[fd]] = now
+        else:  # EOF: the rank exited (its pidfd says how) or closed the pipe; either way its beats are over
+            del self.beats[fd]
+            os.close(fd)
+
+    def _fail(self, why: str) -> None:
+        log.error("%s: the engine goes down with it", why)
         for other in self.procs:
             if other.poll() is None:
                 other.kill()

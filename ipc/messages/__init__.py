@@ -1,5 +1,5 @@
 """Message declarations, one module per boundary (client, replies, admin, engine,
-cache, cpu), and their machinery: the base class and registry (base), the checkers
+cache, cpu, grammar), and their machinery: the base class and registry (base), the checkers
 compiled from field annotations (fields) and the value rules fields declare (checks).
 
 Everything outside this package imports messages and their bounds through

@@ -19,7 +19,7 @@ from loraplex.ipc.engine_plan import (
     MAX_REPETITION_PENALTY,
     MAX_TOP_LOGPROBS,
 )
-from loraplex.ipc.guided import check_guided
+from loraplex.ipc.guided import GrammarTooComplex, check_guided
 from loraplex.ipc.messages.base import Message, register
 from loraplex.ipc.messages.checks import (
     INT32_MAX,
@@ -58,6 +58,9 @@ class GenerateRequest(Message):
     top_k: -1 disables it. seed: None draws from the daemon's generator.
     logprobs: the sampled token's logprob; top_logprobs (0..20) adds that many
     most likely alternatives per token (and implies logprobs).
+    prompt_logprobs: None, or k in 0..20: the `done` reply carries each prompt token's logprob
+    given the tokens before it (the first has none), its rank, and k alternatives (vLLM's
+    prompt_logprobs); prompt tokens x (k + 1) is bounded (MAX_PROMPT_LOGPROB_ENTRIES).
     presence_penalty, frequency_penalty, repetition_penalty, logit_bias (token
     id as a decimal string -> bias) and min_tokens as vLLM's SamplingParams;
     ipc.engine_plan.SamplingSpec says how they act on the logits.
@@ -65,7 +68,8 @@ class GenerateRequest(Message):
     its `choice` index, and one `done` ends them all. With a seed, choice i
     samples with seed + i, so the choices differ and each is reproducible.
     guided_kind, guided_spec: structured output (ipc.guided.Guided); a grammar
-    the engine cannot compile fails the request (invalid_field, with why).
+    that does not compile fails the request (invalid_field, with why), one past the
+    server's nesting, time or memory limits with grammar_too_complex.
     priority: lower values are served earlier (vLLM's convention).
     slo_ttft_ms: the time-to-first-token target admission control may use.
     deadline_ms: give up (code `timeout`) this long after the daemon received
@@ -102,6 +106,7 @@ class GenerateRequest(Message):
     priority: Annotated[int, InRange(INT32_MIN, INT32_MAX)] = 0
     slo_ttft_ms: Annotated[float, InInterval(0.0, MAX_SLO_TTFT_MS, lo_open=True)] | None = None
     deadline_ms: Annotated[float, InInterval(0.0, MAX_DEADLINE_MS, lo_open=True)] | None = None
+    prompt_logprobs: Annotated[int, InRange(0, MAX_TOP_LOGPROBS)] | None = None
 
     def validate(self) -> None:
         if (self.prompt is None) == (self.prompt_token_ids is None):
@@ -112,6 +117,8 @@ class GenerateRequest(Message):
         if self.guided_kind is not None:
             try:
                 check_guided(self.guided_kind, self.guided_spec)
+            except GrammarTooComplex as exc:
+                raise invalid(str(exc), ErrorCode.GRAMMAR_TOO_COMPLEX) from None
             except ValueError as exc:
                 raise invalid(str(exc)) from None
         elif self.guided_spec:

@@ -54,6 +54,28 @@ class TopLogprobs:
             raise ValueError("token_ids, logprobs and texts must have the same length")
 
 
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Each prompt token's logprob given the tokens before it (vLLM's prompt_logprobs), under
+    the model's raw distribution: `logprobs[0]` and `ranks[0]` are None (the first token has no
+    prefix); `ranks[i]`: 1 for the most likely token; `texts[i]`: the text token i adds after the
+    ones before it (the texts join into the prompt's text, as the daemon decodes it); `top[i]`:
+    the k most likely alternatives at position i (empty for token 0), when k > 0 was asked."""
+
+    token_ids: Annotated[list[int], TokenIds(0, MAX_COMPLETION_TOKEN_IDS)]
+    texts: Annotated[list[Annotated[str, Length(0, MAX_TOKEN_TEXT_LEN)]], Length(0, MAX_COMPLETION_TOKEN_IDS)]
+    logprobs: Annotated[list[float | None], Length(0, MAX_COMPLETION_TOKEN_IDS)]
+    ranks: Annotated[list[Annotated[int, AtLeast(1)] | None], Length(0, MAX_COMPLETION_TOKEN_IDS)]
+    top: list[TopLogprobs] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if not len(self.texts) == len(self.logprobs) == len(self.ranks) == n:
+            raise ValueError("token_ids, texts, logprobs and ranks must have the same length")
+        if self.top is not None and len(self.top) != n:
+            raise ValueError(f"top: {len(self.top)} entries for {n} prompt tokens")
+
+
 @register
 @dataclass(frozen=True, slots=True)
 class TokenChunk(Message):
@@ -101,6 +123,7 @@ class DoneReply(Message):
     timings are milliseconds >= 0; extra keys are allowed.
     choices: with n > 1, every completion in index order (the top-level
     finish_reason, token_ids and text are choice 0's; usage counts them all).
+    prompt_logprobs: when the request asked for them (and its prompt was computed).
     """
 
     TYPE = "done"
@@ -112,6 +135,7 @@ class DoneReply(Message):
     token_ids: Annotated[list[int], TokenIds(0, MAX_COMPLETION_TOKEN_IDS)] = field(default_factory=list)
     text: str = ""
     choices: list[ChoiceOutcome] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     def validate(self) -> None:
         if self.choices is not None and [c.index for c in self.choices] != list(range(len(self.choices))):

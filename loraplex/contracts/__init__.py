@@ -1,5 +1,5 @@
 """Contracts the daemon and the engine side share, torch-free: the unified pool's page
-geometry (geometry), the split of a model's layers into load groups (layer_groups) and
-the rule every adapter name obeys (names). Both sides import these; neither owns them,
-so neither side has to import the other.
+geometry (geometry), the split of a model's layers into load groups (layer_groups),
+the rule every adapter name obeys (names) and where the built-in demo lives (demo).
+Both sides import these; neither owns them, so neither side has to import the other.
 """

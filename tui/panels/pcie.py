@@ -2,7 +2,8 @@
 History window, as a share of the measured link bandwidth, split by purpose.
 
 Reads pcie{h2d_mb_s, d2h_mb_s, link_mb_s, by_purpose}; the sparklines come
-from History (the last few minutes of snapshots).
+from History (the last few minutes of snapshots). A daemon whose engines run on
+the CPU sends no link figure (link_mb_s null): the panel says there is no GPU.
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def render_pcie(view: View, width: int, height: int) -> RenderableType:
     out = [direction_line(view, label, key, style, width) for label, key, style in DIRECTIONS]
     out.append(purpose_text(dig(pcie, "by_purpose")))
     link = num(dig(pcie, "link_mb_s"))
-    out.append(Text("link ", style=DIM).append(fmt_rate(link, " MB/s"))
+    no_gpu = isinstance(pcie, Mapping) and link is None
+    out.append(Text("link ", style=DIM).append("no GPU (engines on the CPU)" if no_gpu else fmt_rate(link, " MB/s"))
                .append(f"  window {fmt_duration(view.history.span_s)}", style=DIM))
     if not isinstance(pcie, Mapping):
         out.append(note("PCIe counters n/a from this daemon"))
