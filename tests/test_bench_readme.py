@@ -43,6 +43,7 @@ SLOW = {  # full-size runs: minutes
     " --throttle-bytes-s 5e7",
     "bench/cache_live.py --json --duration 30 --rounds 2 --rates 8,10,12,14 --throttle-bytes-s 3e7",
     "bench/flood_gap.py --json",
+    "bench/abuse_gap.py --json --out bench/results/abuse_gap.json",
     "bench/flood_gap.py --json --flood-s 5",
     "bench/many_adapters.py --json",
     "bench/many_adapters.py --counts 10 1000 --json",
