@@ -8,7 +8,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -166,3 +170,43 @@ def test_an_engine_lost_under_a_disk_load_fails_none_of_the_requests_waiting_for
     now = _stats(daemon)
     assert now["engine"]["pid"] != engine["pid"] and now["errors"] == stats["errors"], now
     assert "cache manager is unavailable" not in daemon.log()
+
+
+@contextmanager
+def cpu_hogs(n: int) -> Iterator[None]:
+    """`n` processes spinning at the tests' own priority: a starved host, as on a loaded machine."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+@pytest.mark.slow  # 34-45 s on 2 cores: the hogs slow everything down
+def test_under_cpu_hogs_a_killed_then_a_stopped_cache_manager_fails_no_request(daemon, reference):
+    """Issue 31.4's figure: on a host whose cores are all taken by others, a SIGKILLed and then a
+    SIGSTOPped cache manager (each while requests wait for disk loads) fail 0 requests; every one
+    completes with the offline tokens. (It held before the fix of EngineSupervisor.load too: the
+    failure it hunts came from an engine lost under a load, which the test above provokes.)"""
+    prompts, adapters, expected = reference
+    errors = _stats(daemon)["errors"]
+    with cpu_hogs(os.cpu_count() or 2):
+        for sig in (signal.SIGKILL, signal.SIGSTOP):
+            pid = _stats(daemon)["host_tier"]["pid"]
+
+            async def run() -> list[list[int]]:
+                task = asyncio.ensure_future(_generate(daemon, prompts, adapters, concurrent=True))
+                await asyncio.sleep(0.2)
+                os.kill(pid, sig)
+                return await task
+
+            try:
+                assert asyncio.run(run()) == expected, sig
+            finally:
+                try:
+                    os.kill(pid, signal.SIGKILL)  # cleanup only: a stopped one was killed by the daemon
+                except ProcessLookupError:
+                    pass
+    assert _stats(daemon)["errors"] == errors
