@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from loraplex.daemon.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from loraplex.daemon.prompt_logprobs import PromptLogprobBook
 from loraplex.ipc.engine_plan import RowResult
-from loraplex.ipc.protocol import MAX_TOKEN_TEXT_LEN, DoneReply, GenerateRequest, TokenChunk, TopLogprobs
+from loraplex.ipc.protocol import (
+    MAX_TOKEN_TEXT_LEN,
+    DoneReply,
+    GenerateRequest,
+    PromptLogprobs,
+    TokenChunk,
+    TopLogprobs,
+)
 
 
 @dataclass(slots=True)
@@ -86,7 +93,14 @@ class ClientRequest:
         self.text += tail
         return tail
 
-    def done(self, finish_reason: str) -> DoneReply:
+    def scored_prompt(self) -> PromptLogprobs | None:
+        """The prompt logprobs the done reply carries (None when not asked). Detokenizes up to every
+        prompt token and alternative: call it off the event loop (RequestTable.finish does)."""
+        if self.prompt_book is None:
+            return None
+        return self.prompt_book.reply(self.prompt_ids, self.detok.tokenizer if self.detok else None)
+
+    def done(self, finish_reason: str, prompt_logprobs: PromptLogprobs | None = None) -> DoneReply:
         now = time.monotonic()
         timings: dict[str, float | str] = {
             "queue_ms": _ms((self.first_scheduled or now) - self.arrival),
@@ -104,8 +118,7 @@ class ClientRequest:
             usage={"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.token_ids),
                    "cached_tokens": self.cached_tokens},
             timings=timings, token_ids=list(self.token_ids), text=self.text,
-            prompt_logprobs=self.prompt_book.reply(self.prompt_ids, self.detok.tokenizer if self.detok else None)
-            if self.prompt_book is not None else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

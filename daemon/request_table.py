@@ -152,7 +152,10 @@ class RequestTable(Mapping[str, ClientRequest]):
         if state.msg.stream and tail:
             await self.send(state.identity, TokenChunk(request_id=state.request_id, token_ids=[], text=tail,
                                                        index=len(state.token_ids), choice=state.choice))
-        done = state.done(reason)
+        # A prompt's logprobs are detokenized token by token (and each alternative): thousands of
+        # decodes for a long prompt, which would stall every stream if run on the loop.
+        scored = await asyncio.to_thread(state.scored_prompt) if state.prompt_book is not None else None
+        done = state.done(reason, scored)
         self.stats.finished(done)
         group = self._groups.get(key)
         if group is not None:
