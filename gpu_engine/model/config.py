@@ -59,8 +59,21 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def layer_prefix(self) -> str:
+        """Where the decoder layers sit in the checkpoint's (and PEFT's) module names:
+        f"{layer_prefix}.{i}.{module_paths()[name]}" is a projection's full module path."""
+        return "model.layers"
+
+    def module_paths(self) -> dict[str, str]:
+        """Each projection's path inside a decoder layer, keyed by the engine's name for it
+        (the keys of module_shapes)."""
+        return {name: ("mlp." if name in ("gate_proj", "up_proj", "down_proj") else "self_attn.") + name
+                for name in self.module_shapes()}
+
     def module_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of every LoRA-targetable projection."""
+        """(in_features, out_features) of every LoRA-targetable projection, keyed by the engine's
+        name for it (the same names for every architecture where the math is the same)."""
         h, i = self.hidden_size, self.intermediate_size
         return {
             "q_proj": (h, self.q_dim),

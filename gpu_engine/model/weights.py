@@ -79,18 +79,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
+        p = f"{cfg.layer_prefix}.{i}."
         shapes[p + "input_layernorm.weight"] = (cfg.hidden_size,)
         shapes[p + "post_attention_layernorm.weight"] = (cfg.hidden_size,)
+        paths = cfg.module_paths()
         for name, (fan_in, fan_out) in cfg.module_shapes().items():
-            shapes[p + _module_path(name) + ".weight"] = (fan_out, fan_in)
+            shapes[p + paths[name] + ".weight"] = (fan_out, fan_in)
             if _has_bias(cfg, name):
-                shapes[p + _module_path(name) + ".bias"] = (fan_out,)
+                shapes[p + paths[name] + ".bias"] = (fan_out,)
     return shapes
-
-
-def _module_path(name: str) -> str:
-    return ("self_attn." if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp.") + name
 
 
 def _has_bias(cfg: ModelConfig, name: str) -> bool:
@@ -125,13 +122,14 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, *, device: torch.devic
     if missing:
         raise UnsupportedModelError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
     layers = []
+    paths = cfg.module_paths()
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
+        p = f"{cfg.layer_prefix}.{i}."
         layers.append(LayerWeights(
             input_norm=got[p + "input_layernorm.weight"],
             post_norm=got[p + "post_attention_layernorm.weight"],
-            proj={n: got[p + _module_path(n) + ".weight"] for n in cfg.module_shapes()},
-            bias={n: got[p + _module_path(n) + ".bias"] for n in cfg.module_shapes() if _has_bias(cfg, n)},
+            proj={n: got[p + paths[n] + ".weight"] for n in cfg.module_shapes()},
+            bias={n: got[p + paths[n] + ".bias"] for n in cfg.module_shapes() if _has_bias(cfg, n)},
         ))
     embed = got["model.embed_tokens.weight"]
     return ModelWeights(embed=embed, layers=layers, norm=got["model.norm.weight"],
