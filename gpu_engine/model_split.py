@@ -58,7 +58,7 @@ class WholeModel:
         if lora_backend == "triton":  # the Triton build runs paged attention through its kernels too
             from loraplex.gpu_engine.model.attention_triton import TritonPagedAttention
 
-            attention = TritonPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+            attention = TritonPagedAttention.for_config(cfg)
         return LlamaModel(cfg, weights, make_lora_backend(lora_backend), attention=attention)
 
     def pool_copy(self, adapter: HostAdapter) -> HostAdapter:

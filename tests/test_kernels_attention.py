@@ -104,6 +104,6 @@ def test_triton_attention_backend_matches_torch(window: int | None) -> None:
     batch = ForwardBatch(token_ids=empty, positions=empty, kv_page_ids=empty, kv_slots=empty, rows=spans,
                          sample_tokens=empty, lora_groups=[])
     q = torch.randn(first, H, D, generator=g).to(DEVICE)
-    want = TorchPagedAttention(H, KVH, D, window).forward(q, 0, batch, pool)
-    got = TritonPagedAttention(H, KVH, D, window).forward(q, 0, batch, pool)
+    want = TorchPagedAttention(H, KVH, D, (window,)).forward(q, 0, batch, pool)
+    got = TritonPagedAttention(H, KVH, D, (window,)).forward(q, 0, batch, pool)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -9,11 +9,13 @@ or comes prebuilt in static buffers (`ForwardBatch.decode_rows`) under CUDA-grap
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from loraplex.gpu_engine.model.batch import ForwardBatch, RowSpan
+from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.pool import UnifiedPool
 from loraplex.kernels.paged_kv import PagedRows, build_rows
 from loraplex.kernels.runtime import require_triton
@@ -29,7 +31,8 @@ class _StepRows:
 
 
 class TritonPagedAttention:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None, *,
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, windows: Sequence[int | None], *,
+                 scale: float | None = None, softcap: float | None = None,
                  split_tokens: int = DEFAULT_SPLIT_TOKENS) -> None:
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
@@ -40,10 +43,18 @@ class TritonPagedAttention:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.sliding_window = sliding_window
-        self.scale = 1.0 / math.sqrt(head_dim)
+        self.windows = tuple(windows)  # per layer; None: the whole context
+        self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+        if softcap is not None:
+            raise NotImplementedError("attention logit soft-capping in the Triton kernels")
+        self.softcap = softcap
         self.split_tokens = split_tokens
         self._step: _StepRows | None = None
+
+    @classmethod
+    def for_config(cls, cfg: ModelConfig) -> TritonPagedAttention:
+        return cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.layer_windows, scale=cfg.attention_scale,
+                   softcap=cfg.attn_softcap)
 
     def forward(self, q: torch.Tensor, layer: int, batch: ForwardBatch, pool: UnifiedPool) -> torch.Tensor:
         # q: [tokens, heads, head_dim] (RoPE applied; this step's K/V already written) -> same shape
@@ -52,7 +63,7 @@ class TritonPagedAttention:
         kv = pool.data[layer]  # [num_pages, page_elems] = [pages, page_tokens, 2, kv_dim] flattened
         out = torch.empty_like(q)
         common = dict(num_kv_heads=self.num_kv_heads, page_tokens=pool.geometry.page_tokens,
-                      window=self.sliding_window, scale=self.scale, out=out)
+                      window=self.windows[layer], scale=self.scale, out=out)
         if rows.prefill is not None:
             self._prefill.paged_prefill_attention(q, kv, rows.prefill, **common)
         if rows.decode is not None:

@@ -50,6 +50,25 @@ class ModelConfig:
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Per layer: True where the layer attends within sliding_window only; () = every layer does
+    # when sliding_window is set (Mistral). Gemma 2/3 interleave sliding and global layers.
+    sliding_layers: tuple[bool, ...] = ()
+    query_scale: float | None = None  # softmax scale of q·k; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # tanh soft-capping of attention logits (Gemma 2)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`'s attention, None where it sees its whole context."""
+        if self.sliding_window is None or (self.sliding_layers and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
 
     @property
     def q_dim(self) -> int:

@@ -35,8 +35,7 @@ class LlamaModel:
         self.w = weights
         self.lora = lora
         self.rotary = Rotary(cfg, weights.embed.device)
-        self.attention = attention or TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                                          cfg.sliding_window)
+        self.attention = attention or TorchPagedAttention.for_config(cfg)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: UnifiedPool) -> torch.Tensor:
