@@ -14,6 +14,19 @@ from loraplex.cpu_lora.compute import lora_delta, lora_delta_reference, store_dt
 SHAPES = [(1, 16, 16, 8), (7, 19, 13, 3), (33, 96, 257, 16), (64, 128, 96, 64), (5, 40, 24, 128), (17, 64, 64, 1)]
 
 
+def assert_within_float32_bound(got: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                                scaling: float, seed: int | None = None) -> None:
+    """Every element of the float32 result within the forward error bound of two float32 matrix
+    products (each a sum of in, then rank, terms) against the float64 reference: (in + rank + 2)·eps
+    times the same products of absolute values. Any summation order a SIMD path picks is inside it;
+    a wrong row, rank or scaling is not."""
+    want = lora_delta_reference(x, a, bt, scaling)
+    magnitude = lora_delta_reference(x.abs(), a.abs(), bt.abs(), abs(scaling))
+    bound = (x.shape[1] + a.shape[0] + 2) * torch.finfo(torch.float32).eps * magnitude
+    excess = ((got.double() - want).abs() - bound).max().item()
+    assert excess <= 0, f"seed {seed}: an element is {excess:.3g} beyond its float32 error bound"
+
+
 def random_case(tokens: int, in_f: int, out_f: int, rank: int, dtype: torch.dtype, seed: int):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, in_f, generator=gen)
@@ -32,11 +45,7 @@ def test_matches_float64_reference(shape: tuple[int, int, int, int], dtype: str)
     out = torch.full((tokens, out_f), float("nan"))  # every element must be overwritten
     result = lora_delta(x, a, bt, scaling, out)
     assert result is out
-    ref = lora_delta_reference(x, a, bt, scaling)  # from the same (rounded) store weights
-    # fp32 accumulation over in + rank terms of O(1) products.
-    tol = 1e-5 * math.sqrt(in_f + rank) * max(1.0, ref.abs().max().item())
-    err = (out.double() - ref).abs().max().item()
-    assert err <= tol, f"seed {seed}: max error {err} > {tol}"
+    assert_within_float32_bound(out, x, a, bt, scaling, seed)  # from the same (rounded) store weights
 
 
 def test_writes_only_its_rows_of_a_larger_buffer() -> None:
@@ -45,13 +54,13 @@ def test_writes_only_its_rows_of_a_larger_buffer() -> None:
     lora_delta(x[2:6], a, bt, 0.5, region[11:15])
     assert torch.equal(region[:11], torch.full((11, 24), -7.0))
     assert torch.equal(region[15:], torch.full((15, 24), -7.0))
-    torch.testing.assert_close(region[11:15].double(), lora_delta_reference(x[2:6], a, bt, 0.5))
+    assert_within_float32_bound(region[11:15], x[2:6], a, bt, 0.5)
 
 
 def test_scaling_one_and_zero() -> None:
     x, a, bt = random_case(4, 8, 8, 2, torch.float32, 2)
     out = torch.empty(4, 8)
-    torch.testing.assert_close(lora_delta(x, a, bt, 1.0, out).double(), lora_delta_reference(x, a, bt, 1.0))
+    assert_within_float32_bound(lora_delta(x, a, bt, 1.0, out), x, a, bt, 1.0)
     assert torch.count_nonzero(lora_delta(x, a, bt, 0.0, out)) == 0
 
 
