@@ -8,6 +8,7 @@ dtypes and batch shapes the engine can hand them. Imports no triton at module le
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -37,6 +38,9 @@ DECODE_TOKENS = (1, 2, 3, 8, 42, DEFAULT_MAX_NUM_SEQS, 100, 128, 256)
 DECODE_SPLIT_TOKENS = (256,)  # gpu_engine TritonPagedAttention's DEFAULT_SPLIT_TOKENS (a test checks it)
 PAGE_TOKENS = (DEFAULT_PAGE_TOKENS, 32, 64, 128)  # a runtime int in every kernel: multiples of 16 only
 PRECISIONS = ("ieee",)  # the engine never passes another; tf32 and tf32x3 are bench knobs
+# attention logit soft-capping (ModelConfig.attn_softcap: Gemma 2, head dims 128 and 256) is a constexpr of the
+# prefill and decode-split kernels: every model without it compiles the uncapped variant
+SOFTCAPS = (False, True)
 # No launcher has autotune candidates: every tile size comes from the choice functions alone.
 
 # Runtime ints that are multiples of 16 at every engine launch, as Triton specialises them
@@ -92,20 +96,19 @@ def _attention(dtype: torch.dtype) -> Iterator[KernelLaunch]:
     from loraplex.kernels.paged_attention_decode import decode_launch
     from loraplex.kernels.paged_attention_prefill import prefill_launch
 
-    for precision in PRECISIONS:
-        for head_dim in HEAD_DIMS:
-            yield prefill_launch(head_dim=head_dim, dtype=dtype, index_dtype=INDEX_DTYPE, interpreted=False,
-                                 precision=precision)
-            for group in GQA_GROUPS:
-                for split_tokens in DECODE_SPLIT_TOKENS:
-                    # contexts of one split (no reduction) and of several
-                    for max_context in (1, split_tokens, split_tokens + 1, 32 * split_tokens):
-                        choice = decode_launch(head_dim=head_dim, group=group, dtype=dtype, index_dtype=INDEX_DTYPE,
-                                               max_context=max_context, interpreted=False,
-                                               split_tokens=split_tokens, precision=precision)
-                        yield choice.split
-                        if choice.reduce is not None:
-                            yield choice.reduce
+    for precision, softcap, head_dim in itertools.product(PRECISIONS, SOFTCAPS, HEAD_DIMS):
+        yield prefill_launch(head_dim=head_dim, dtype=dtype, index_dtype=INDEX_DTYPE, interpreted=False,
+                             precision=precision, softcap=softcap)
+        for group in GQA_GROUPS:
+            for split_tokens in DECODE_SPLIT_TOKENS:
+                # contexts of one split (no reduction) and of several
+                for max_context in (1, split_tokens, split_tokens + 1, 32 * split_tokens):
+                    choice = decode_launch(head_dim=head_dim, group=group, dtype=dtype, index_dtype=INDEX_DTYPE,
+                                           max_context=max_context, interpreted=False, split_tokens=split_tokens,
+                                           precision=precision, softcap=softcap)
+                    yield choice.split
+                    if choice.reduce is not None:
+                        yield choice.reduce
 
 
 def engine_launches(dtypes: Sequence[torch.dtype] = DTYPES) -> Iterator[KernelLaunch]:
@@ -123,7 +126,7 @@ def distinct_launches(dtypes: Sequence[torch.dtype] = DTYPES) -> list[KernelLaun
 
 def launch_name(launch: KernelLaunch) -> str:
     """A short stable name: kernel, element type and constexprs, e.g.
-    `_decode_split_kernel bf16 G_PAD=16 BLOCK_N=64 D_PAD=128 SINGLE=False PRECISION=ieee`."""
+    `_decode_split_kernel bf16 G_PAD=16 BLOCK_N=64 D_PAD=128 SINGLE=False PRECISION=ieee SOFTCAP=False`."""
     types = dict(launch.types)
     elem = next(types[p][1:] for p in ("flat_ptr", "kv_ptr", "out_ptr") if p in types)  # the model's dtype
     consts = " ".join(f"{k}={v}" for k, v in launch.constexprs)

@@ -1,7 +1,9 @@
 """Paged decode attention, flash-decoding style: each row's context is split into
 fixed chunks computed in parallel (partial max, sum and unnormalised output per
 split), then a reduction kernel merges the splits. One program serves all query
-heads sharing a KV head (GQA), so each K/V block is read once per group.
+heads sharing a KV head (GQA), so each K/V block is read once per group. Optional
+sliding window and tanh logit soft-cap (Gemma 2; a constexpr, so uncapped models
+compile without it).
 
 Keys come through each row's page table in the unified pool. Grids are sized from
 row and context capacity; dead rows (q_len 0) and splits past a row's context exit.
@@ -16,7 +18,7 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels._jit import MAX, SUM
-from loraplex.kernels.paged_kv import PagedRows, check_attention_args, paged_attention_reference
+from loraplex.kernels.paged_kv import PagedRows, check_attention_args, logit_scales, paged_attention_reference
 from loraplex.kernels.runtime import (
     KernelLaunch,
     block_default,
@@ -27,15 +29,13 @@ from loraplex.kernels.runtime import (
     next_pow2,
 )
 
-LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def _decode_split_kernel(q_ptr, kv_ptr, q_start_ptr, q_len_ptr, ctx_ptr, table_ptr, o_ptr, ml_ptr, out_ptr,
                          stride_qt, stride_qh, stride_tr, stride_or, stride_oh, stride_os, stride_ot, stride_oth,
-                         page_elems, page_tokens, kv_dim, group, head_dim, window, qk_scale, split_tokens,
+                         page_elems, page_tokens, kv_dim, group, head_dim, window, qk_scale, cap_log2, split_tokens,
                          G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
-                         SINGLE: tl.constexpr, PRECISION: tl.constexpr):
+                         SINGLE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -66,6 +66,8 @@ def _decode_split_kernel(q_ptr, kv_ptr, q_start_ptr, q_len_ptr, ctx_ptr, table_p
         k = tl.load(kv_ptr + base[:, None] + kv_col[None, :], mask=ld_mask, other=0.0)
         v = tl.load(kv_ptr + base[:, None] + kv_dim + kv_col[None, :], mask=ld_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G_PAD, BLOCK_N], log2 units
+        if SOFTCAP:  # s is 2x/ln 2 for x = scale*q.k/softcap: softcap*tanh(x) in log2 units
+            s = cap_log2 - 2.0 * cap_log2 / (tl.exp2(s) + 1.0)
         s = tl.where(kmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, MAX))  # finite: every block holds a valid key
         alpha = tl.exp2(m_i - m_new)
@@ -125,9 +127,9 @@ class DecodeLaunch(NamedTuple):
 
 def decode_launch(*, head_dim: int, group: int, dtype: torch.dtype, index_dtype: torch.dtype, max_context: int,
                   interpreted: bool, split_tokens: int | None = None, block_n: int | None = None,
-                  precision: str = "ieee") -> DecodeLaunch:
+                  precision: str = "ieee", softcap: bool = False) -> DecodeLaunch:
     """The decode launches for this head size, GQA group, dtype and context capacity (q, the pool
-    and out share `dtype`; index_dtype: the row tables')."""
+    and out share `dtype`; index_dtype: the row tables'); softcap: the model soft-caps its logits."""
     d_pad = max(16, next_pow2(head_dim))
     g_pad = max(16, next_pow2(group))
     fp32 = dtype == torch.float32  # IEEE float32 dots run on FMA units, their operands held in registers
@@ -142,9 +144,10 @@ def decode_launch(*, head_dim: int, group: int, dtype: torch.dtype, index_dtype:
     rows = {"q_start_ptr": index_dtype, "q_len_ptr": index_dtype, "ctx_ptr": index_dtype}
     split = kernel_launch("paged_attention_decode", "_decode_split_kernel",
                           {"G_PAD": g_pad, "BLOCK_N": block_n, "D_PAD": d_pad, "SINGLE": splits == 1,
-                           "PRECISION": precision},
+                           "PRECISION": precision, "SOFTCAP": softcap},
                           {"q_ptr": dtype, "kv_ptr": dtype, **rows, "table_ptr": index_dtype,
-                           "o_ptr": torch.float32, "ml_ptr": torch.float32, "out_ptr": dtype}, floats=("qk_scale",),
+                           "o_ptr": torch.float32, "ml_ptr": torch.float32, "out_ptr": dtype},
+                          floats=("qk_scale", "cap_log2"),
                           num_warps=warps)
     reduce = None if splits == 1 else kernel_launch(
         "paged_attention_decode", "_decode_reduce_kernel", {"G_PAD": g_pad, "D_PAD": d_pad},
@@ -154,11 +157,14 @@ def decode_launch(*, head_dim: int, group: int, dtype: torch.dtype, index_dtype:
 
 def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, rows: PagedRows, *, num_kv_heads: int,
                            page_tokens: int, window: int | None = None, scale: float | None = None,
-                           out: torch.Tensor | None = None, split_tokens: int | None = None,
-                           block_n: int | None = None, precision: str = "ieee") -> torch.Tensor:
+                           softcap: float | None = None, out: torch.Tensor | None = None,
+                           split_tokens: int | None = None, block_n: int | None = None,
+                           precision: str = "ieee") -> torch.Tensor:
     """q: [T, H, D]; every live row has q_len 1 (its token at position context-1) -> out [T, H, D].
 
     split_tokens: keys per split (a multiple of block_n); splits = ceil(max_context / split_tokens).
+    softcap: logits become softcap·tanh(scale·q·k / softcap) (None or 0: not capped).
+    Keys before the window's first position are never read: their page-table entries may be stale.
     """
     heads, head_dim, group = check_attention_args(q, kv, rows, num_kv_heads, page_tokens)
     if out is None:
@@ -170,10 +176,10 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, rows: PagedRows, *
         raise ValueError(f"window must be positive or None, got {window}")
     if rows.max_q_len > 1:
         raise ValueError(f"decode rows hold one query token each, got max_q_len={rows.max_q_len}")
-    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    qk_scale, cap_log2, capped = logit_scales(scale if scale is not None else 1.0 / math.sqrt(head_dim), softcap)
     choice = decode_launch(head_dim=head_dim, group=group, dtype=q.dtype, index_dtype=rows.page_table.dtype,
                            max_context=rows.max_context, interpreted=interpret_mode(), split_tokens=split_tokens,
-                           block_n=block_n, precision=precision)
+                           block_n=block_n, precision=precision, softcap=capped)
     split_tokens = choice.split_tokens
     check_blocks(device, 16, block_n=choice.split.const("BLOCK_N"))
     if rows.num_rows == 0 or rows.max_context == 0:
@@ -187,7 +193,7 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, rows: PagedRows, *
     _decode_split_kernel[(rows.num_rows, num_kv_heads, choice.splits)](
         q, kv, rows.q_start, rows.q_len, rows.context, rows.page_table, partial, ml, out,
         q.stride(0), q.stride(1), rows.page_table.stride(0), so[0], so[1], so[2], out.stride(0), out.stride(1),
-        kv.shape[1], page_tokens, num_kv_heads * head_dim, group, head_dim, window or 0, scale * LOG2E,
+        kv.shape[1], page_tokens, num_kv_heads * head_dim, group, head_dim, window or 0, qk_scale, cap_log2,
         split_tokens, **choice.split.options)
     if choice.reduce is None:
         return out

@@ -1,5 +1,5 @@
 """Paged prefill attention: causal, variable-length rows, GQA, optional sliding
-window, keys and values read through each row's page table in the unified pool
+window and tanh logit soft-cap (Gemma 2), keys and values read through each row's page table in the unified pool
 (flash-attention online softmax, no gather of KV into contiguous buffers).
 
 Grid (query tiles of the longest row capacity, row capacity, heads): dead rows
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels._jit import MAX, SUM
-from loraplex.kernels.paged_kv import PagedRows, check_attention_args, paged_attention_reference
+from loraplex.kernels.paged_kv import PagedRows, check_attention_args, logit_scales, paged_attention_reference
 from loraplex.kernels.runtime import (
     KernelLaunch,
     block_default,
@@ -25,15 +25,13 @@ from loraplex.kernels.runtime import (
     next_pow2,
 )
 
-LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def _prefill_kernel(q_ptr, kv_ptr, out_ptr, q_start_ptr, q_len_ptr, start_pos_ptr, ctx_ptr, table_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_tr,
-                    page_elems, page_tokens, kv_dim, group, head_dim, window, qk_scale,
+                    page_elems, page_tokens, kv_dim, group, head_dim, window, qk_scale, cap_log2,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     mt = tl.program_id(0)
     r = tl.program_id(1)
     h = tl.program_id(2)
@@ -65,6 +63,8 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, q_start_ptr, q_len_ptr, start_pos_pt
         k = tl.load(kv_ptr + base[:, None] + kv_col[None, :], mask=ld_mask, other=0.0)
         v = tl.load(kv_ptr + base[:, None] + kv_dim + kv_col[None, :], mask=ld_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if SOFTCAP:  # s is 2x/ln 2 for x = scale*q.k/softcap: softcap*tanh(x) in log2 units
+            s = cap_log2 - 2.0 * cap_log2 / (tl.exp2(s) + 1.0)
         allowed = (kp[None, :] <= q_pos[:, None]) & kmask[None, :]
         allowed = allowed & ((window <= 0) | (q_pos[:, None] - kp[None, :] < window))
         s = tl.where(allowed, s, float("-inf"))
@@ -82,9 +82,10 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, q_start_ptr, q_len_ptr, start_pos_pt
 
 
 def prefill_launch(*, head_dim: int, dtype: torch.dtype, index_dtype: torch.dtype, interpreted: bool,
-                   block_m: int | None = None, block_n: int | None = None, precision: str = "ieee") -> KernelLaunch:
+                   block_m: int | None = None, block_n: int | None = None, precision: str = "ieee",
+                   softcap: bool = False) -> KernelLaunch:
     """The prefill launch for this head size and dtype (q, the pool and out share `dtype`;
-    index_dtype: the row tables')."""
+    index_dtype: the row tables'); softcap: the model soft-caps its logits."""
     d_pad = max(16, next_pow2(head_dim))
     # Registers a thread (bench/kernel_compile.py): IEEE float32 dots run on FMA units with their operands
     # in registers; 64 x 64 tiles spilled 17-35 KB a thread there (and head_dim 256 overflowed sm_80's shared
@@ -94,20 +95,24 @@ def prefill_launch(*, head_dim: int, dtype: torch.dtype, index_dtype: torch.dtyp
     block_n = block_n or (32 if fp32 else block_default(64, 128, interpreted))
     warps = 8 if fp32 or d_pad >= 256 else 4
     return kernel_launch("paged_attention_prefill", "_prefill_kernel",
-                         {"BLOCK_M": block_m, "BLOCK_N": block_n, "D_PAD": d_pad, "PRECISION": precision},
+                         {"BLOCK_M": block_m, "BLOCK_N": block_n, "D_PAD": d_pad, "PRECISION": precision,
+                          "SOFTCAP": softcap},
                          {"q_ptr": dtype, "kv_ptr": dtype, "out_ptr": dtype, "q_start_ptr": index_dtype,
                           "q_len_ptr": index_dtype, "start_pos_ptr": index_dtype, "ctx_ptr": index_dtype,
-                          "table_ptr": index_dtype}, floats=("qk_scale",),
+                          "table_ptr": index_dtype}, floats=("qk_scale", "cap_log2"),
                          num_warps=warps)
 
 
 def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, rows: PagedRows, *, num_kv_heads: int,
                             page_tokens: int, window: int | None = None, scale: float | None = None,
-                            out: torch.Tensor | None = None, block_m: int | None = None,
-                            block_n: int | None = None, precision: str = "ieee") -> torch.Tensor:
+                            softcap: float | None = None, out: torch.Tensor | None = None,
+                            block_m: int | None = None, block_n: int | None = None,
+                            precision: str = "ieee") -> torch.Tensor:
     """q: [T, H, D] (RoPE applied), kv: one pool layer [num_pages, page_elems] -> out [T, H, D].
 
     Only tokens covered by a live row are written (out may be shared with the decode kernel).
+    softcap: logits become softcap·tanh(scale·q·k / softcap) (None or 0: not capped). Keys before
+    the window of a row's first query are never read: their page-table entries may be stale.
     """
     heads, head_dim, group = check_attention_args(q, kv, rows, num_kv_heads, page_tokens)
     if out is None:
@@ -117,9 +122,10 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, rows: PagedRows, 
     device = check_device(q, kv, out, rows.page_table, rows.q_len, kernel=_prefill_kernel)
     if window is not None and window <= 0:
         raise ValueError(f"window must be positive or None, got {window}")
-    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    qk_scale, cap_log2, capped = logit_scales(scale if scale is not None else 1.0 / math.sqrt(head_dim), softcap)
     launch = prefill_launch(head_dim=head_dim, dtype=q.dtype, index_dtype=rows.page_table.dtype,
-                            interpreted=interpret_mode(), block_m=block_m, block_n=block_n, precision=precision)
+                            interpreted=interpret_mode(), block_m=block_m, block_n=block_n, precision=precision,
+                            softcap=capped)
     block_m = launch.const("BLOCK_M")
     check_blocks(device, 16, block_m=block_m, block_n=launch.const("BLOCK_N"))
     if rows.num_rows == 0 or rows.max_q_len == 0:
@@ -128,7 +134,7 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, rows: PagedRows, 
     _prefill_kernel[grid](q, kv, out, rows.q_start, rows.q_len, rows.start_pos, rows.context, rows.page_table,
                           q.stride(0), q.stride(1), out.stride(0), out.stride(1), rows.page_table.stride(0),
                           kv.shape[1], page_tokens, num_kv_heads * head_dim, group, head_dim, window or 0,
-                          scale * LOG2E, **launch.options)
+                          qk_scale, cap_log2, **launch.options)
     return out
 
 

@@ -15,6 +15,8 @@ import torch
 
 from loraplex.kernels.runtime import FLOAT_DTYPES, INDEX_DTYPES, check_contiguous, check_tensor
 
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in log2 units (exp2)
+
 
 @dataclass(frozen=True, slots=True)
 class PagedRows:
@@ -77,10 +79,23 @@ def check_attention_args(q: torch.Tensor, kv: torch.Tensor, rows: PagedRows, num
     return heads, head_dim, heads // num_kv_heads
 
 
+def logit_scales(scale: float, softcap: float | None) -> tuple[float, float, bool]:
+    """The kernels' (qk_scale, cap_log2, SOFTCAP) for a q·k `scale` and a tanh logit soft-cap
+    (None or 0: none). The kernels work in log2 units: without a cap, qk_scale = scale·log2(e);
+    with one, tanh applies to natural-unit logits first, so qk_scale = 2·log2(e)·scale/softcap
+    (the exp2 argument of tanh's exponential form) and cap_log2 = softcap·log2(e)."""
+    if softcap is None or softcap == 0:
+        return scale * LOG2E, 0.0, False
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a positive float, 0 or None (off), got {softcap}")
+    return 2.0 * LOG2E * scale / softcap, softcap * LOG2E, True
+
+
 def paged_attention_reference(q: torch.Tensor, kv: torch.Tensor, rows: PagedRows, num_kv_heads: int,
                               page_tokens: int, window: int | None = None,
-                              scale: float | None = None) -> torch.Tensor:
-    """Per row: gather K/V through the page table, causal (+ window) softmax attention, GQA."""
+                              scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Per row: gather K/V through the page table, causal (+ window) softmax attention, GQA,
+    logits soft-capped to softcap·tanh(logits / softcap) when softcap is set (Gemma 2)."""
     tokens, heads, head_dim = q.shape
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     entries = kv.view(kv.shape[0], page_tokens, 2, num_kv_heads, head_dim)
@@ -97,6 +112,8 @@ def paged_attention_reference(q: torch.Tensor, kv: torch.Tensor, rows: PagedRows
         v = keys[:, 1].repeat_interleave(group, dim=1)
         qr = q[first: first + count].float()  # [count, H, D]
         s = torch.einsum("qhd,khd->hqk", qr, k) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
         q_pos = torch.arange(start, start + count, device=q.device)[:, None]
         k_pos = torch.arange(ctx, device=q.device)[None, :]
         allowed = k_pos <= q_pos

@@ -1,7 +1,8 @@
 """Paged prefill and flash-decoding kernels against the torch reference: GQA,
 odd head_dim, shuffled pages, chunked prefill (start_pos > 0), sliding window,
-several decode splits, dead capacity rows; and `TritonPagedAttention` against
-`TorchPagedAttention` on the unified pool.
+several decode splits, dead capacity rows, tanh soft-capped logits (Gemma 2),
+head_dim 256; and `TritonPagedAttention` against `TorchPagedAttention` on the
+unified pool (per-layer windows, soft-cap, a non-default q·k scale).
 
 Runs on CPU under TRITON_INTERPRET=1 (set before triton is imported).
 """
@@ -32,18 +33,23 @@ PT, KVH, D, H = 4, 2, 12, 6  # page_tokens, kv heads, odd head_dim, GQA group of
 BLOCK = 16 if DEVICE == "cuda" else 4
 
 
-def paged_case(seed: int, rows: list[tuple[int, int]], num_pages: int = 48):
+def paged_case(seed: int, rows: list[tuple[int, int]], num_pages: int = 48, *, heads: int = H, kv_heads: int = KVH,
+               head_dim: int = D):
     """rows: (q_len, start_pos). Pages of each row drawn from a shuffled pool -> q, kv, spans."""
     g = torch.Generator().manual_seed(seed)
-    kv = torch.randn(num_pages, PT * 2 * KVH * D, generator=g)
+    kv = torch.randn(num_pages, PT * 2 * kv_heads * head_dim, generator=g)
     free = torch.randperm(num_pages, generator=g).tolist()
     spans, first = [], 0
     for count, start in rows:
         n_pages = -(-(start + count) // PT)
         spans.append((first, count, start, [free.pop() for _ in range(n_pages)]))
         first += count
-    q = torch.randn(first, H, D, generator=g)
+    q = torch.randn(first, heads, head_dim, generator=g)
     return q.to(DEVICE), kv.to(DEVICE), spans
+
+
+def fresh_seed() -> int:
+    return int(torch.randint(1 << 30, ()))  # fresh inputs every run; tests name it when they fail
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -85,17 +91,16 @@ def test_attention_launchers_reject_bad_arguments() -> None:
         paged_decode_attention(q, kv, many, num_kv_heads=KVH, page_tokens=PT)
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_triton_attention_backend_matches_torch(window: int | None) -> None:
-    """A mixed step on the unified pool: prefill chunks and decode rows, K/V written through page tables."""
-    geometry = PageGeometry(kv_dim=KVH * D, page_tokens=PT, max_row_width=KVH * D)
-    pool = UnifiedPool(1, 40, geometry, device=torch.device(DEVICE), dtype=torch.float32)
-    g = torch.Generator().manual_seed(4)
+def _pool_step(seed: int, rows: list[tuple[int, int]], *, kv_heads: int, head_dim: int, layers: int):
+    """A unified pool of `layers` random layers and one step's RowSpans over shuffled pages."""
+    geometry = PageGeometry(kv_dim=kv_heads * head_dim, page_tokens=PT, max_row_width=kv_heads * head_dim)
+    pool = UnifiedPool(layers, 40, geometry, device=torch.device(DEVICE), dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
     pool.data.copy_(torch.randn(pool.data.shape, generator=g))
     free = torch.randperm(40, generator=g).tolist()
     spans: list[RowSpan] = []
     first = 0
-    for count, start in [(1, 17), (9, 0), (1, 3), (5, 8)]:
+    for count, start in rows:
         ctx = start + count
         pages = torch.tensor([free.pop() for _ in range(-(-ctx // PT))], device=DEVICE)
         spans.append(RowSpan(first=first, count=count, start_pos=start, context=ctx, pages=pages))
@@ -103,7 +108,71 @@ def test_triton_attention_backend_matches_torch(window: int | None) -> None:
     empty = torch.zeros(0, dtype=torch.int64, device=DEVICE)
     batch = ForwardBatch(token_ids=empty, positions=empty, kv_page_ids=empty, kv_slots=empty, rows=spans,
                          sample_tokens=empty, lora_groups=[])
-    q = torch.randn(first, H, D, generator=g).to(DEVICE)
+    return pool, batch, g, first
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_triton_attention_backend_matches_torch(window: int | None) -> None:
+    """A mixed step on the unified pool: prefill chunks and decode rows, K/V written through page tables."""
+    pool, batch, g, tokens = _pool_step(4, [(1, 17), (9, 0), (1, 3), (5, 8)], kv_heads=KVH, head_dim=D, layers=1)
+    q = torch.randn(tokens, H, D, generator=g).to(DEVICE)
     want = TorchPagedAttention(H, KVH, D, (window,)).forward(q, 0, batch, pool)
     got = TritonPagedAttention(H, KVH, D, (window,)).forward(q, 0, batch, pool)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# ---- soft-capped logits (Gemma 2), per-layer windows, head_dim 256 ---------------------------------
+CAP = 1.5  # logits here are about N(0, 1) (scale 1/sqrt(D)): a cap this low bends most of them
+
+
+@pytest.mark.parametrize("head_dim, window", [(D, None), (D, 5), (256, 6)])
+def test_softcapped_kernels_match_reference(head_dim: int, window: int | None) -> None:
+    seed = fresh_seed()
+    q, kv, spans = paged_case(seed, [(7, 0), (9, 6), (3, 0)], head_dim=head_dim)
+    rows = build_rows(spans, DEVICE, capacity_rows=4)
+    want = paged_attention_reference(q, kv, rows, KVH, PT, window, softcap=CAP)
+    uncapped = paged_attention_reference(q, kv, rows, KVH, PT, window)
+    assert (want - uncapped).abs().max() > 1e-2, "the cap must change the output for this test to mean anything"
+    out = paged_prefill_attention(q, kv, rows, num_kv_heads=KVH, page_tokens=PT, window=window, softcap=CAP,
+                                  block_m=BLOCK, block_n=BLOCK)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"prefill, seed {seed}: {m}")
+    q, kv, spans = paged_case(seed, [(1, 0), (1, 9), (1, 21), (1, 14)], head_dim=head_dim)
+    rows = build_rows(spans, DEVICE, capacity_rows=5)
+    want = paged_attention_reference(q, kv, rows, KVH, PT, window, softcap=CAP)
+    for split_tokens in (2 * BLOCK, 64):  # several splits + reduction, then one split
+        out = paged_decode_attention(q, kv, rows, num_kv_heads=KVH, page_tokens=PT, window=window, softcap=CAP,
+                                     split_tokens=split_tokens, block_n=BLOCK)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"decode split {split_tokens}, seed {seed}: {m}")
+
+
+def test_softcap_zero_is_off_and_bad_caps_are_refused() -> None:
+    q, kv, spans = paged_case(fresh_seed(), [(5, 3)])
+    rows = build_rows(spans, DEVICE)
+    args = dict(num_kv_heads=KVH, page_tokens=PT, block_m=BLOCK, block_n=BLOCK)
+    torch.testing.assert_close(paged_prefill_attention(q, kv, rows, softcap=0.0, **args),
+                               paged_prefill_attention(q, kv, rows, **args), rtol=0, atol=0)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap"):
+            paged_prefill_attention(q, kv, rows, softcap=bad, **args)
+        with pytest.raises(ValueError, match="softcap"):
+            TritonPagedAttention(H, KVH, D, (None,), softcap=bad)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(H, KVH, D), (4, 2, 256)])
+def test_triton_backend_softcap_and_layer_windows_match_torch(heads: int, kv_heads: int, head_dim: int) -> None:
+    """Gemma-2-like attention: a sliding layer (window shorter than the contexts) and a global one,
+    soft-capped logits, a non-default q·k scale, GQA; prefill chunks and decode rows in one step."""
+    seed = fresh_seed()
+    pool, batch, g, tokens = _pool_step(seed, [(1, 17), (9, 0), (1, 3), (5, 8), (1, 11)], kv_heads=kv_heads,
+                                        head_dim=head_dim, layers=2)
+    q = torch.randn(tokens, heads, head_dim, generator=g).to(DEVICE)
+    windows, scale = (4, None), 1.3 / head_dim ** 0.5  # query_pre_attn_scalar-style scale
+    torch_attn = TorchPagedAttention(heads, kv_heads, head_dim, windows, scale=scale, softcap=CAP)
+    triton_attn = TritonPagedAttention(heads, kv_heads, head_dim, windows, scale=scale, softcap=CAP)
+    uncapped = TorchPagedAttention(heads, kv_heads, head_dim, windows, scale=scale)
+    for layer in (0, 1):
+        want = torch_attn.forward(q, layer, batch, pool)
+        assert (want - uncapped.forward(q, layer, batch, pool)).abs().max() > 1e-2
+        torch.testing.assert_close(triton_attn.forward(q, layer, batch, pool), want, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"layer {layer}, seed {seed}: {m}")

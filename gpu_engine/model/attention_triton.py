@@ -1,7 +1,8 @@
 """Paged attention through the Triton kernels (same `forward` contract as
 `TorchPagedAttention`): rows with one query token go to the flash-decoding
 kernel, longer rows (prefill chunks) to the causal prefill kernel; both read
-K/V straight from the unified pool through each row's page table.
+K/V straight from the unified pool through each row's page table, within each
+layer's sliding window, with the model's q·k scale and tanh logit soft-cap.
 
 Row metadata is built once per step (the same ForwardBatch serves every layer),
 or comes prebuilt in static buffers (`ForwardBatch.decode_rows`) under CUDA-graph replay.
@@ -45,9 +46,9 @@ class TritonPagedAttention:
         self.head_dim = head_dim
         self.windows = tuple(windows)  # per layer; None: the whole context
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
-        if softcap is not None:
-            raise NotImplementedError("attention logit soft-capping in the Triton kernels")
-        self.softcap = softcap
+        if softcap is not None and (not math.isfinite(softcap) or softcap < 0):
+            raise ValueError(f"softcap must be a positive float, 0 or None (off), got {softcap}")
+        self.softcap = softcap or None  # tanh soft-capping of the logits (Gemma 2); 0 is off
         self.split_tokens = split_tokens
         self._step: _StepRows | None = None
 
@@ -63,7 +64,7 @@ class TritonPagedAttention:
         kv = pool.data[layer]  # [num_pages, page_elems] = [pages, page_tokens, 2, kv_dim] flattened
         out = torch.empty_like(q)
         common = dict(num_kv_heads=self.num_kv_heads, page_tokens=pool.geometry.page_tokens,
-                      window=self.windows[layer], scale=self.scale, out=out)
+                      window=self.windows[layer], scale=self.scale, softcap=self.softcap, out=out)
         if rows.prefill is not None:
             self._prefill.paged_prefill_attention(q, kv, rows.prefill, **common)
         if rows.decode is not None:
