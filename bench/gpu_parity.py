@@ -3,6 +3,11 @@
 - `kernels`: BGMV, MBGMV and SGMV/MBGMM (shrink + expand) at real size (hidden
   4096, fused q/k/v widths, batch 64, mixed ranks 8-128, base rows) in float16
   and bfloat16 against the float32 torch references;
+- `attention`: the paged prefill and flash-decoding kernels at real size
+  (Llama-, Mistral- and Gemma-2-shaped heads: GQA, head_dim 128 and 256, a
+  sliding window shorter than the contexts, tanh soft-capped logits, a
+  non-default q·k scale; 4k-token contexts over shuffled pages) in float16 and
+  bfloat16 against the float32 torch reference;
 - `graphs`: decode replayed as CUDA graphs against eager decode (identical
   greedy tokens, float32 with the Triton backend);
 - `peft_offline`: the offline `LLM` against transformers + PEFT (the random demo
@@ -17,6 +22,7 @@ JSON object on stdout (`--json`), progress on stderr; exit 1 if a check failed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -26,7 +32,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-CHECKS = ("kernels", "graphs", "peft_offline", "daemon")
+CHECKS = ("kernels", "attention", "graphs", "peft_offline", "daemon")
 ROW_ADAPTERS = [None, "qv-r8", "attn-r16", "all-r32", "mlp-r64", None, "rslora-r16", "kdown-r8"]
 NEW_TOKENS = 16
 RANKS = [8, 16, 32, 64, 128]
@@ -97,6 +103,55 @@ def check_kernels(device: str, small: bool) -> dict[str, Any]:
     worst = max(v for k, v in errors.items() if not k.startswith("seed_"))
     return {"ok": worst <= tol, "max_abs_err": errors, "tolerance": tol, "hidden": hidden, "batch": batch,
             "ranks": RANKS if not small else "cycled"}
+
+
+# (name, heads, kv heads, head_dim, window, q·k scale over head_dim ** -0.5, softcap); the cap is set
+# low enough to bend random logits (Gemma 2's 50 takes the same code path)
+ATTENTION_SHAPES = [("llama", 32, 8, 128, None, 1.0, None), ("mistral_window", 32, 8, 128, 1024, 1.0, None),
+                    ("gemma2_sliding", 16, 8, 256, 1024, 1.3, 2.0), ("gemma2_global", 16, 8, 256, None, 1.3, 2.0)]
+
+
+def check_attention(device: str, small: bool) -> dict[str, Any]:
+    import torch
+
+    from loraplex.kernels.paged_attention_decode import paged_decode_attention
+    from loraplex.kernels.paged_attention_prefill import paged_prefill_attention
+    from loraplex.kernels.paged_kv import build_rows, paged_attention_reference
+
+    page_tokens = 16
+    # decode rows (contexts), prefill rows (q_len, start_pos): chunks continuing past the window too
+    decode_ctx, prefill = ((1, 9, 37, 70), [(20, 0), (13, 40)]) if small else \
+        ((1, 300, 1024, 1025, 2900, 4096, 4097, 5000), [(512, 0), (512, 2048), (300, 3800), (1, 700)])
+    shapes = [(n, 4, 2, d, w and (8 if small else w), sc, cap) for n, _, _, d, w, sc, cap in ATTENTION_SHAPES] \
+        if small else ATTENTION_SHAPES
+    dtypes = [torch.float32] if device == "cpu" else [torch.float16, torch.bfloat16]
+    tol = 1e-4 if device == "cpu" else 2e-2
+    errors: dict[str, Any] = {}
+    for (name, heads, kv_heads, head_dim, window, scale_x, cap), dtype in itertools.product(shapes, dtypes):
+        seed = int(torch.randint(1 << 30, ()))  # fresh inputs every run; the seed is reported
+        g = torch.Generator().manual_seed(seed)
+        scale = scale_x * head_dim ** -0.5
+        rows_of = {"decode": [(1, c - 1) for c in decode_ctx], "prefill": prefill}
+        pages = sum(-(-(c + s) // page_tokens) for rows in rows_of.values() for c, s in rows)
+        kv = torch.randn(pages + 3, page_tokens * 2 * kv_heads * head_dim, generator=g).to(device, dtype)
+        free = torch.randperm(pages + 3, generator=g).tolist()  # every row's pages shuffled over the pool
+        for kind, row_list in rows_of.items():
+            spans, first = [], 0
+            for count, start in row_list:
+                spans.append((first, count, start, [free.pop() for _ in range(-(-(count + start) // page_tokens))]))
+                first += count
+            rows = build_rows(spans, device)
+            q = torch.randn(first, heads, head_dim, generator=g).to(device, dtype)
+            common = dict(num_kv_heads=kv_heads, page_tokens=page_tokens, window=window, scale=scale, softcap=cap)
+            got = (paged_decode_attention if kind == "decode" else paged_prefill_attention)(q, kv, rows, **common)
+            want = paged_attention_reference(q.float(), kv.float(), rows, kv_heads, page_tokens, window, scale, cap)
+            errors[f"{name}_{kind}_{str(dtype).replace('torch.', '')}"] = _max_err(got, want)
+        errors[f"seed_{name}_{str(dtype).replace('torch.', '')}"] = seed
+    worst = max(v for k, v in errors.items() if not k.startswith("seed_"))
+    return {"ok": worst <= tol, "max_abs_err": errors, "tolerance": tol, "page_tokens": page_tokens,
+            "decode_contexts": list(decode_ctx), "prefill_rows": prefill,
+            "shapes": [dict(zip(("name", "heads", "kv_heads", "head_dim", "window", "scale_x", "softcap"), s))
+                       for s in shapes]}
 
 
 def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
@@ -202,7 +257,7 @@ def check_daemon(device: str, small: bool) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[[str, bool], dict[str, Any]]] = {
-    "kernels": check_kernels, "graphs": check_graphs, "peft_offline": check_peft_offline, "daemon": check_daemon}
+    "kernels": check_kernels, "attention": check_attention, "graphs": check_graphs, "peft_offline": check_peft_offline, "daemon": check_daemon}
 
 
 def main(argv: list[str] | None = None) -> int:
