@@ -17,7 +17,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from loraplex.ipc.adapter_files import ADAPTER_FILES, AdapterFileError, open_adapter_file
+from loraplex.ipc.adapter_files import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILES,
+    ADAPTER_WEIGHT_FILES,
+    MAX_WEIGHTS_BYTES,
+    AdapterFileError,
+    open_adapter_file,
+    weights_file_name,
+)
 
 _CHUNK = 1 << 20
 READ_THREADS = 4  # reads in flight at once; a read stuck on a hung mount holds one until it returns
@@ -26,9 +34,10 @@ T = TypeVar("T")
 
 
 def adapter_fingerprint(path: str | Path) -> Fingerprint:
-    """(file, size, mtime_ns) of each adapter file that exists; changes when a file is rewritten."""
+    """(file, size, mtime_ns) of the config and the weights file the engine reads, where they exist;
+    changes when a file is rewritten (or a safetensors file appears beside a .bin)."""
     found = []
-    for name in ADAPTER_FILES:
+    for name in (ADAPTER_CONFIG, weights_file_name(path)):
         try:
             st = (Path(path) / name).stat()
         except OSError:
@@ -38,14 +47,17 @@ def adapter_fingerprint(path: str | Path) -> Fingerprint:
 
 
 def adapter_content_hash(path: str | Path, roots: tuple[str, ...] = ()) -> str:
-    """SHA-256 over the adapter's files (names and bytes); '' when one does not exist (the loader
+    """SHA-256 over the adapter's config and the weights file the engine will read (names and bytes;
+    adapter_model.safetensors before adapter_model.bin); '' when one does not exist (the loader
     then says what is missing). AdapterFileError when a file may not be opened (outside `roots`,
-    not a regular file), OSError when it cannot be read."""
+    not a regular file, a weights file over MAX_WEIGHTS_BYTES), OSError when it cannot be read.
+    A .bin is only hashed here: the engine loads it with torch's restricted unpickler and checks it."""
     digest = hashlib.sha256()
     try:
-        for name in ADAPTER_FILES:
+        for name in (ADAPTER_CONFIG, weights_file_name(path)):
             digest.update(name.encode() + b"\0")
-            with open_adapter_file(path, name, roots) as f:
+            limit = None if name == ADAPTER_CONFIG else MAX_WEIGHTS_BYTES
+            with open_adapter_file(path, name, roots, max_bytes=limit) as f:
                 while chunk := f.read(_CHUNK):
                     digest.update(chunk)
     except FileNotFoundError:
@@ -64,7 +76,7 @@ def fingerprint_from_text(text: str) -> Fingerprint:
     for part in filter(None, (text or "").split(";")):
         name, _, rest = part.partition(":")
         size, _, mtime = rest.partition(":")
-        if name not in ADAPTER_FILES or not size.isdigit() or not mtime.lstrip("-").isdigit():
+        if name not in (*ADAPTER_FILES, *ADAPTER_WEIGHT_FILES) or not size.isdigit() or not mtime.lstrip("-").isdigit():
             return ()
         found.append((name, int(size), int(mtime)))
     return tuple(found)

@@ -7,7 +7,8 @@ operator named some (`server.adapter_dirs`), only a regular file is opened
 FIFO swapped in meanwhile cannot block the open), sizes are bounded before
 anything is read, and errors name the file but never quote its bytes. Also
 checks a safetensors header without torch: bounded, every tensor floating
-point, every extent inside the file. Stdlib only; the daemon calls it from a
+point, every extent inside the file. A pickled adapter_model.bin is only
+bounded here (the engine loads it with torch's restricted unpickler). Stdlib only; the daemon calls it from a
 thread with a deadline (a hung mount still blocks the thread, never the loop).
 """
 from __future__ import annotations
@@ -23,7 +24,10 @@ from typing import BinaryIO, Iterator
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
+ADAPTER_BIN = "adapter_model.bin"  # PEFT's pickled format (save_pretrained(safe_serialization=False))
+ADAPTER_WEIGHT_FILES = (ADAPTER_WEIGHTS, ADAPTER_BIN)  # in order of preference when both exist
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)  # a safetensors adapter's files (its content hash covers these)
+MAX_WEIGHTS_BYTES = 8 << 30  # one weights file: a rank-256 all-module adapter of a 70B model is ~3.3 GB in fp32
 MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json is a few hundred bytes
 MAX_HEADER_BYTES = 16 << 20  # a 128-layer, 7-module adapter's header is ~0.3 MB
 MAX_TENSORS = 1 << 16
@@ -178,10 +182,19 @@ def check_safetensors(f: BinaryIO, size: int, what: str) -> dict[str, TensorInfo
     return tensors
 
 
+def weights_file_name(directory: str | os.PathLike[str]) -> str:
+    """The adapter's weights file: adapter_model.safetensors when it exists (a symlink counts),
+    else adapter_model.bin when that does, else adapter_model.safetensors (which then is missing)."""
+    for name in ADAPTER_WEIGHT_FILES:
+        if os.path.lexists(os.path.join(os.fspath(directory), name)):
+            return name
+    return ADAPTER_WEIGHTS
+
+
 def read_safetensors_header(directory: str | os.PathLike[str], roots: tuple[str, ...] = ()) -> dict[str, TensorInfo]:
     """The checked tensor table of the adapter's weights file (check_safetensors), reading only its header."""
     try:
-        with open_adapter_file(directory, ADAPTER_WEIGHTS, roots) as f:
+        with open_adapter_file(directory, ADAPTER_WEIGHTS, roots, max_bytes=MAX_WEIGHTS_BYTES) as f:
             return check_safetensors(f, os.fstat(f.fileno()).st_size, f"{ADAPTER_WEIGHTS} of {os.fspath(directory)}")
     except FileNotFoundError:
         raise AdapterFileError(f"{os.fspath(directory)} has no {ADAPTER_WEIGHTS}") from None

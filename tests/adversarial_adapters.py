@@ -1,7 +1,8 @@
 """Adapter directories built to attack whoever opens them: a FIFO as the
 weights file, symlinks pointing out of the allowed directory at a secret, int64
-tensors, a safetensors header that claims a huge length, and a copy of a valid
-adapter. Each is a copy of a real demo adapter with one thing changed."""
+tensors, a safetensors header that claims a huge length, a pickled .bin that is
+a symlink out or a FIFO, and a copy of a valid adapter. Each is a copy of a real
+demo adapter with one thing changed."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 WEIGHTS = "adapter_model.safetensors"
+BIN = "adapter_model.bin"
 CONFIG = "adapter_config.json"
 SECRET = "s3cr3t-ROOT-PASSWORD-line-that-must-never-be-echoed"
 
@@ -22,22 +24,32 @@ def valid(source: Path, dest: Path) -> Path:
     return dest
 
 
-def fifo_weights(source: Path, dest: Path) -> Path:
-    """adapter_model.safetensors is a FIFO nobody writes: opening it blocks forever."""
+def fifo_weights(source: Path, dest: Path, weights: str = WEIGHTS) -> Path:
+    """The weights file (`weights`: the safetensors or the .bin) is a FIFO nobody writes: opening it
+    blocks forever."""
     dest.mkdir(parents=True)
     shutil.copy(source / CONFIG, dest / CONFIG)
-    os.mkfifo(dest / WEIGHTS)
+    os.mkfifo(dest / weights)
     return dest
 
 
-def symlink_out(source: Path, dest: Path, outside: Path) -> Path:
-    """The weights file is a symlink to a secret outside the allowed directory."""
+def symlink_out(source: Path, dest: Path, outside: Path, weights: str = WEIGHTS) -> Path:
+    """The weights file (`weights`: the safetensors or the .bin) is a symlink to a secret outside
+    the allowed directory."""
     dest.mkdir(parents=True)
     shutil.copy(source / CONFIG, dest / CONFIG)
     outside.mkdir(parents=True, exist_ok=True)
     secret = outside / "shadow"
     secret.write_text(SECRET * 64 + "\n")
-    os.symlink(secret, dest / WEIGHTS)
+    os.symlink(secret, dest / weights)
+    return dest
+
+
+def as_bin(source: Path, dest: Path) -> Path:
+    """The same adapter with its tensors in a pickled adapter_model.bin (torch.save), no safetensors."""
+    dest.mkdir(parents=True)
+    shutil.copy(source / CONFIG, dest / CONFIG)
+    torch.save(load_file(str(source / WEIGHTS)), dest / BIN)
     return dest
 
 

@@ -3,7 +3,8 @@ hashing reader on top of it): a FIFO is refused without blocking, a symlink out
 of the allowed directories is refused and its target's bytes never appear in an
 error, int64 tensors and a header that claims a huge length are refused, a slow
 read fails at its deadline without holding up others, and a valid adapter still
-loads (also through a symlink that stays inside)."""
+loads (also through a symlink that stays inside); a pickled adapter_model.bin
+passes the same checks (allow-list, regular file) and loads the same weights."""
 from __future__ import annotations
 
 import asyncio
@@ -172,3 +173,33 @@ def test_the_demo_adapters_join_an_allow_list_but_never_narrow_anywhere(tmp_path
     assert allow_also(roots, [tmp_path / "demo"]) == (*roots, str(tmp_path / "demo"))
     assert allow_also(allow_also(roots, [tmp_path / "demo"]), [tmp_path / "demo"]) == (*roots, str(tmp_path / "demo"))
     assert allow_also((), [tmp_path / "demo"]) == ()  # no allow-list: anywhere, still
+
+
+def test_a_bin_adapter_loads_the_same_weights_and_the_daemon_hashes_it(demo, model, allowed):
+    as_bin = adv.as_bin(demo.adapters["all-r32"], allowed / "bin")
+    adapter = _load(as_bin, model, resolve_roots([allowed]))
+    reference = _load(demo.adapters["all-r32"], model)
+    assert adapter.spec == reference.spec
+    assert all(torch.equal(adapter.a[i][m], reference.a[i][m]) and torch.equal(adapter.b[i][m], reference.b[i][m])
+               for i in range(model.num_layers) for m in adapter.spec.targets)
+    digest = adapter_content_hash(as_bin, resolve_roots([allowed]))
+    assert digest and digest != adapter_content_hash(demo.adapters["all-r32"])
+
+
+def test_a_bin_symlinked_out_or_a_fifo_is_refused_like_safetensors(demo, model, allowed, tmp_path):
+    bad = adv.symlink_out(demo.adapters["qv-r8"], allowed / "escape", tmp_path / "etc", weights=adv.BIN)
+    roots = resolve_roots([allowed])
+    with pytest.raises(ForbiddenAdapterPathError) as err:
+        _within(_load, bad, model, roots)
+    assert "outside the allowed adapter directories" in str(err.value) and adv.SECRET[:12] not in str(err.value)
+    with pytest.raises(AdapterFileError) as raw:
+        adapter_content_hash(bad, roots)
+    assert raw.value.code == "forbidden_path"
+    with pytest.raises(AdapterError) as loose:  # anywhere allowed: opened, but no pickle torch accepts
+        _within(_load, bad, model)
+    assert adv.SECRET[:12] not in str(loose.value) and "restricted" in str(loose.value)
+    fifo = adv.fifo_weights(demo.adapters["qv-r8"], allowed / "fifo", weights=adv.BIN)
+    with pytest.raises(AdapterError, match="not a regular file"):
+        _within(_load, fifo, model)
+    with pytest.raises(AdapterFileError, match="not a regular file"):
+        _within(adapter_content_hash, fifo)

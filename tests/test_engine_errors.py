@@ -105,10 +105,10 @@ def test_missing_files(llm, baseline, demo, tmp_path):
     ({"use_dora": True}, "DoRA"),
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({"bias": "lora_only"}, "biases"),
-    ({"layers_to_transform": [0]}, "layers_to_transform"),
-    ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+    ({"layers_to_transform": [0]}, "does not select"),  # served, but the file holds every layer
+    ({"rank_pattern": {"q_proj": 4}}, "shape"),  # served, but the file's q_proj tensors are rank 8
     ({"peft_type": "IA3"}, "peft_type"),
-    ({"target_modules": ["q_proj", "lm_head"]}, "unsupported target modules"),
+    ({"target_modules": ["q_proj", "lm_head"]}, "lm_head .the output layer. is not served"),
 ])
 def test_unsupported_adapter_features(llm, baseline, demo, tmp_path, extra, message):
     path = tmp_path / "bad"

@@ -1,17 +1,18 @@
 """Read and validate a PEFT LoRA adapter directory against the base model.
 
-Safetensors only: a pickled `adapter_model.bin` is refused, never opened.
-Every file is opened through ipc/adapter_files.py (regular files only, inside
-the allowed directories, the header checked before any tensor is read: floating
-point only, shapes against the model). Everything the unmerged-LoRA executor
-cannot reproduce exactly (DoRA, modules_to_save, trained biases, per-layer rank
-patterns, partial layer coverage) is refused with an error that names it.
+Every file is opened through ipc/adapter_files.py (regular files only, inside the allowed
+directories, sizes bounded); adapter_model.safetensors is preferred, its header checked
+before any tensor is read, and a pickled adapter_model.bin is loaded only by torch's
+restricted unpickler (adapter_bin.py). Which modules are adapted follows PEFT's own rules
+(peft_targets.py). Modules with their own rank or alpha, and layers an adapter does not
+cover, become one adapter-wide rank and scaling (zero padding, scale folded into B);
+what the unmerged-LoRA executor cannot reproduce (DoRA, modules_to_save, trained biases)
+is refused with an error that names it and says what to do.
 """
 from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,21 +23,37 @@ from safetensors import safe_open
 from safetensors.torch import load as load_safetensors_bytes
 
 from loraplex.errors import AdapterError, AdapterRankError, ForbiddenAdapterPathError
+from loraplex.gpu_engine.lora.adapter_bin import load_adapter_bin
+from loraplex.gpu_engine.lora.peft_targets import TargetPlan, check_tensor_table, resolve_targets
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.ipc.adapter_files import (
+    ADAPTER_BIN,
     ADAPTER_WEIGHTS,
+    MAX_WEIGHTS_BYTES,
     AdapterFileError,
-    TensorInfo,
     check_safetensors,
     open_adapter_file,
     read_adapter_config,
-    read_safetensors_header,
+    weights_file_name,
 )
 
-TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_KEY = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
-)
+_MERGE = "merge it into the base with peft's merge_and_unload() and serve the merged model"
+# Settings the unmerged executor cannot reproduce: (is it set?, why, what to do).
+_REFUSED = {
+    "use_dora": (bool, "DoRA adapters are not served", f"{_MERGE}, or retrain without use_dora"),
+    "modules_to_save": (bool, "modules_to_save (fully trained copies of base modules) is not served",
+                        f"{_MERGE}, or retrain without modules_to_save"),
+    "bias": (lambda v: v not in (None, "none"), "trained biases are not served",
+             f"{_MERGE}, or retrain with bias='none'"),
+    "lora_bias": (bool, "trained LoRA biases are not served", f"{_MERGE}, or retrain with lora_bias=False"),
+    "layer_replication": (bool, "layer_replication is not served", _MERGE),
+    "target_parameters": (bool, "LoRA on parameters (target_parameters) is not served", _MERGE),
+    "trainable_token_indices": (bool, "trainable_token_indices is not served", _MERGE),
+    "alora_invocation_tokens": (bool, "activated LoRA (alora_invocation_tokens) is not served",
+                                "retrain as a plain LoRA"),
+    "use_bdlora": (bool, "block-diagonal LoRA (use_bdlora) is not served", _MERGE),
+    "arrow_config": (bool, "Arrow routing (arrow_config) is not served", "serve each expert adapter on its own"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +65,18 @@ class AdapterSpec:
 
     @property
     def scaling(self) -> float:
-        return self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
+        return scaling(self.alpha, self.rank, self.use_rslora)
+
+
+def scaling(alpha: float, rank: int, use_rslora: bool) -> float:
+    """PEFT's LoRA scaling: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
 
 @dataclass(slots=True)
 class HostAdapter:
-    """An adapter in host memory: `a[layer][module]` is [r, in], `b[layer][module]` is [out, r]."""
+    """An adapter in host memory: `a[layer][module]` is [r, in], `b[layer][module]` is [out, r]
+    for every layer and every module of spec.targets (zeros where the adapter does not cover it)."""
 
     name: str
     path: Path
@@ -80,74 +103,38 @@ def _read_config(path: Path, roots: tuple[str, ...]) -> dict:
         raise _file_error(exc) from None
 
 
-def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int,
-                      roots: tuple[str, ...] = (), name: str | None = None) -> AdapterSpec:
-    """The adapter's LoRA settings from its adapter_config.json; `roots`: the allowed directories
-    (resolved, ipc.adapter_files.resolve_roots; empty = anywhere). Errors name the adapter by its
-    registered `name` (default: its directory's name)."""
-    path = Path(path)
-    label = name or path.name
+def _read_plan(path: Path, model: ModelConfig, max_lora_rank: int, roots: tuple[str, ...],
+               label: str) -> tuple[AdapterSpec, TargetPlan]:
     raw = _read_config(path, roots)
     if raw.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"unsupported peft_type {raw.get('peft_type')!r}: only LORA adapters are served")
-    refusals = {
-        "use_dora": (lambda v: bool(v), "DoRA adapters are not supported"),
-        "modules_to_save": (lambda v: bool(v), "modules_to_save (fully trained extra modules) is not supported"),
-        "bias": (lambda v: v not in (None, "none"), "adapters with trained biases are not supported"),
-        "lora_bias": (lambda v: bool(v), "adapters with trained biases are not supported"),
-        "fan_in_fan_out": (lambda v: bool(v), "fan_in_fan_out is not supported for Llama linear layers"),
-        "layers_to_transform": (lambda v: v not in (None, []), "layers_to_transform is not supported"),
-        "rank_pattern": (lambda v: bool(v), "per-module rank_pattern is not supported"),
-        "alpha_pattern": (lambda v: bool(v), "per-module alpha_pattern is not supported"),
-    }
-    for key, (bad, why) in refusals.items():
-        if key in raw and bad(raw[key]):
-            raise AdapterError(f"adapter {label}: {why} ({key}={raw[key]!r})")
+    for key, (is_set, why, todo) in _REFUSED.items():
+        if key in raw and is_set(raw[key]):
+            raise AdapterError(f"adapter {label}: {why} ({key}={str(raw[key])[:80]}); {todo}")
     rank = raw.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise AdapterError(f"adapter {label}: r must be a positive integer, got {rank!r}")
-    if rank > max_lora_rank:
-        raise AdapterRankError(f"adapter {label}: rank {rank} exceeds max_lora_rank={max_lora_rank}")
     alpha = raw.get("lora_alpha", rank)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise AdapterError(f"adapter {label}: lora_alpha must be a finite number, got {alpha!r}")
-    targets = raw.get("target_modules")
-    if isinstance(targets, str):
-        # A regex over full module names: the tensors in the file say which modules it matched.
-        targets = sorted(_modules_in_file(path, roots))
-    if not isinstance(targets, list) or not targets:
-        raise AdapterError(f"adapter {label}: target_modules must be a non-empty list")
-    unknown = sorted(set(targets) - set(TARGETABLE))
-    if unknown:
-        raise AdapterError(f"adapter {label}: unsupported target modules {unknown}; supported: {list(TARGETABLE)}")
-    ordered = tuple(t for t in TARGETABLE if t in targets)
-    return AdapterSpec(rank=rank, alpha=float(alpha), use_rslora=bool(raw.get("use_rslora", False)), targets=ordered)
+    # fan_in_fan_out (GPT-2's Conv1D bases) only says how the base weight is laid out: PEFT stores
+    # lora_A as [r, in] and lora_B as [out, r] either way, and its forward is x·Aᵀ·Bᵀ either way.
+    plan = resolve_targets(raw, model, label, rank, float(alpha))
+    if plan.rank > max_lora_rank:
+        raise AdapterRankError(f"adapter {label}: rank {plan.rank} exceeds max_lora_rank={max_lora_rank}")
+    spec = AdapterSpec(rank=plan.rank, alpha=float(alpha), use_rslora=bool(raw.get("use_rslora", False)),
+                       targets=plan.targets)
+    return spec, plan
 
 
-def _modules_in_file(path: Path, roots: tuple[str, ...]) -> set[str]:
-    try:
-        keys = read_safetensors_header(path, roots)
-    except AdapterFileError as exc:
-        raise _file_error(exc) from None
-    return {m.group(2) for m in map(_KEY.match, keys) if m is not None}
-
-
-def _check_tensors(label: str, tensors: dict[str, TensorInfo], spec: AdapterSpec, model: ModelConfig) -> None:
-    """Names and shapes from the header against the model, before any tensor is read."""
-    shapes = model.module_shapes()
-    for key, info in tensors.items():
-        m = _KEY.match(key)
-        if m is None:
-            raise AdapterError(f"adapter {label}: unsupported tensor {key[:160]!r}")
-        layer, module, kind = int(m.group(1)), m.group(2), m.group(3)
-        if layer >= model.num_layers or module not in spec.targets:
-            raise AdapterError(f"adapter {label}: tensor {key!r} is outside target_modules or the model")
-        fan_in, fan_out = shapes[module]
-        want = (spec.rank, fan_in) if kind == "A" else (fan_out, spec.rank)
-        if info.shape != want:
-            raise AdapterError(
-                f"adapter {label}: {key} has shape {info.shape}, expected {want} for this base model"
-            )
+def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int,
+                      roots: tuple[str, ...] = (), name: str | None = None) -> AdapterSpec:
+    """The adapter's LoRA settings from its adapter_config.json; `roots`: the allowed directories
+    (resolved, ipc.adapter_files.resolve_roots; empty = anywhere). `rank` is the largest of its
+    modules' ranks (rank_pattern). Errors name the adapter by its registered `name` (default: its
+    directory's name)."""
+    path = Path(path)
+    return _read_plan(path, model, max_lora_rank, roots, name or path.name)[0]
 
 
 def _tensor_reader(f: BinaryIO, label: str) -> Callable[[str], torch.Tensor]:
@@ -165,37 +152,62 @@ def _tensor_reader(f: BinaryIO, label: str) -> Callable[[str], torch.Tensor]:
         raise AdapterError(f"adapter {label}: cannot read {ADAPTER_WEIGHTS}: {type(e).__name__}") from None
 
 
+def _place(name: str, path: Path, model: ModelConfig, spec: AdapterSpec, plan: TargetPlan, dtype: torch.dtype,
+           tensors: dict[tuple[int, str, str], torch.Tensor]) -> HostAdapter:
+    """One adapter-wide rank and scaling for every (layer, module): a module of smaller rank gets
+    zero rows of A and zero columns of B (they add exactly nothing), its own scaling folded into B
+    (B·s_module/s_adapter), and a module the adapter does not cover in some layer gets zero A and B.
+    Zero padding rather than per-layer presence: the pool, host store and backends lay an adapter
+    out as the same modules at the same rank in every layer."""
+    shapes = model.module_shapes()
+    a: list[dict[str, torch.Tensor]] = [{} for _ in range(model.num_layers)]
+    b: list[dict[str, torch.Tensor]] = [{} for _ in range(model.num_layers)]
+    for layer in range(model.num_layers):
+        for module in spec.targets:
+            fan_in, fan_out = shapes[module]
+            own = plan.modules.get((layer, module))
+            ta = torch.zeros(spec.rank, fan_in, dtype=dtype)  # [R, in]
+            tb = torch.zeros(fan_out, spec.rank, dtype=dtype)  # [out, R]
+            if own is not None:
+                ta[:own.rank] = tensors[(layer, module, "A")]
+                factor = scaling(own.alpha, own.rank, spec.use_rslora) / spec.scaling
+                b_own = tensors[(layer, module, "B")]
+                tb[:, :own.rank] = b_own if factor == 1.0 else b_own.to(torch.float64) * factor
+            a[layer][module], b[layer][module] = ta, tb
+    return HostAdapter(name=name, path=path, spec=spec, a=a, b=b)
+
+
+def _read_safetensors(path: Path, name: str, roots: tuple[str, ...], model: ModelConfig,
+                      plan: TargetPlan) -> dict[tuple[int, str, str], torch.Tensor]:
+    with open_adapter_file(path, ADAPTER_WEIGHTS, roots, max_bytes=MAX_WEIGHTS_BYTES) as f:
+        table = check_safetensors(f, os.fstat(f.fileno()).st_size, f"{ADAPTER_WEIGHTS} of adapter {name}")
+        where = check_tensor_table(name, ADAPTER_WEIGHTS, {k: v.shape for k, v in table.items()}, plan, model)
+        get_tensor = _tensor_reader(f, name)
+        return {where[key]: get_tensor(key) for key in table}
+
+
+def _read_bin(path: Path, name: str, roots: tuple[str, ...], model: ModelConfig,
+              plan: TargetPlan) -> dict[tuple[int, str, str], torch.Tensor]:
+    loaded = load_adapter_bin(path, roots, name)
+    where = check_tensor_table(name, ADAPTER_BIN, {k: tuple(v.shape) for k, v in loaded.items()}, plan, model)
+    return {where[key]: t for key, t in loaded.items()}
+
+
 def load_peft_adapter(name: str, path: str | Path, model: ModelConfig, *, max_lora_rank: int,
                       dtype: torch.dtype, roots: tuple[str, ...] = ()) -> HostAdapter:
     """Read, check and convert the adapter at `path`; `roots`: the allowed directories (resolved;
     empty = anywhere). AdapterError (ForbiddenAdapterPathError) names what is wrong."""
     path = Path(path)
-    spec = read_adapter_spec(path, model, max_lora_rank, roots, name=name)
-    weights_file = path / ADAPTER_WEIGHTS
-    if not os.path.lexists(weights_file):
-        if (path / "adapter_model.bin").exists():
-            raise AdapterError(f"adapter {name}: adapter_model.bin is a pickle; only safetensors are loaded")
-        raise AdapterError(f"adapter {name}: adapter_model.safetensors is missing")
-    a: list[dict[str, torch.Tensor]] = [{} for _ in range(model.num_layers)]
-    b: list[dict[str, torch.Tensor]] = [{} for _ in range(model.num_layers)]
+    spec, plan = _read_plan(path, model, max_lora_rank, roots, name)
+    file = weights_file_name(path)
     try:
-        with open_adapter_file(path, ADAPTER_WEIGHTS, roots) as f:
-            tensors = check_safetensors(f, os.fstat(f.fileno()).st_size, f"{ADAPTER_WEIGHTS} of adapter {name}")
-            _check_tensors(name, tensors, spec, model)
-            get_tensor = _tensor_reader(f, name)
-            for key in tensors:
-                m = _KEY.match(key)
-                layer, module, kind = int(m.group(1)), m.group(2), m.group(3)
-                t = get_tensor(key)
-                if not torch.isfinite(t).all():
-                    raise AdapterError(f"adapter {name}: {key} holds non-finite values")
-                (a if kind == "A" else b)[layer][module] = t.to(dtype).contiguous()
+        read = _read_bin if file == ADAPTER_BIN else _read_safetensors
+        tensors = read(path, name, roots, model, plan)
     except AdapterFileError as exc:
         raise _file_error(exc) from None
     except FileNotFoundError:
-        raise AdapterError(f"adapter {name}: adapter_model.safetensors is missing") from None
-    for layer in range(model.num_layers):
-        for module in spec.targets:
-            if module not in a[layer] or module not in b[layer]:
-                raise AdapterError(f"adapter {name}: layer {layer} {module} lora_A/lora_B missing")
-    return HostAdapter(name=name, path=path, spec=spec, a=a, b=b)
+        raise AdapterError(f"adapter {name}: {ADAPTER_WEIGHTS} (or {ADAPTER_BIN}) is missing") from None
+    for (layer, module, kind), t in tensors.items():
+        if not torch.isfinite(t).all():
+            raise AdapterError(f"adapter {name}: {plan.paths[(layer, module)]}.lora_{kind} holds non-finite values")
+    return _place(name, path, model, spec, plan, dtype, tensors)
