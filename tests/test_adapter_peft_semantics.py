@@ -249,3 +249,36 @@ def test_old_saves_with_an_adapter_name_in_the_keys_load_the_same(model_dir, tmp
               str(path / "adapter_model.safetensors"))
     old = _load(model_dir, path)
     assert all(torch.equal(old.b[i]["v_proj"], new.b[i]["v_proj"]) for i in range(LAYERS))
+
+
+@pytest.mark.slow
+def test_through_a_daemon_a_bin_serves_as_its_safetensors_and_a_code_pickle_is_a_typed_error(demo, tmp_path):
+    """The daemon only hashes a .bin (torch-free); the cache manager loads it restricted. A pickle that
+    would run code reaches the client as invalid_adapter, and its code never runs."""
+    from loraplex.ipc.client import AdminClient, LoraplexError
+    from tests import adversarial_adapters as adv
+    from tests.daemon_process import DaemonProcess
+
+    allowed = tmp_path / "adapters"
+    adv.valid(demo.adapters["qv-r8"], allowed / "st")
+    adv.as_bin(demo.adapters["qv-r8"], allowed / "bin")
+    evil = adv.as_bin(demo.adapters["qv-r8"], allowed / "evil")
+    marker = tmp_path / "pwned"
+    torch.save({"x": _WouldRunCode(str(marker))}, evil / ADAPTER_BIN)
+    proc = DaemonProcess(tmp_path, "--model", str(demo.model_dir),
+                         env={"LORAPLEX_SERVER_ADAPTER_DIRS": str(allowed)}).start(timeout_s=120)
+    try:
+        with AdminClient(runtime_dir=proc.runtime_dir) as admin:
+            admin.add_adapter("st", allowed / "st", timeout=60)
+            admin.add_adapter("bin", allowed / "bin", timeout=60)
+            with pytest.raises(LoraplexError) as err:
+                admin.add_adapter("evil", evil, timeout=60)
+        assert err.value.code.value == "invalid_adapter" and "restricted" in str(err.value), str(err.value)
+        assert not marker.exists(), "the daemon ran code from an adapter's pickle"
+        with proc.client() as client:
+            outs = [client.generate([5, 9, 17, 3, 44], adapter=name, max_tokens=6, temperature=0.0,
+                                    ignore_eos=True, logprobs=True, timeout=60) for name in ("st", "bin", None)]
+        assert outs[0].token_ids == outs[1].token_ids and outs[0].logprobs == outs[1].logprobs
+        assert outs[0].logprobs != outs[2].logprobs  # the adapter is applied
+    finally:
+        assert proc.stop() == 0, proc.log()
