@@ -156,7 +156,7 @@ class Executor:
         rows = self.sampler.sample(logits, ordered, sampled_rows) if self.split.samples else []
         prompt = []
         if batch is not None and batch.scored_hidden is not None:  # every rank: the LM head may be a collective
-            prompt = score(self.model._logits, batch.scored_hidden, self._tensor(targets), scored,
+            prompt = score(self.model.logits, batch.scored_hidden, self._tensor(targets), scored,
                            self.cfg.vocab_size)
         t2 = time.perf_counter()
         if watchdog is not None:

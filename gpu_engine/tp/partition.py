@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from loraplex.contracts.tensor_parallel import COLUMN_PARALLEL, ROW_PARALLEL, TensorParallelPlan
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
-from loraplex.gpu_engine.model.config import ModelConfig
+from loraplex.gpu_engine.model.config import ModelConfig, UnsupportedModelError
 from loraplex.gpu_engine.model.weights import LayerWeights, ModelWeights, Selector
 
 
@@ -27,6 +27,9 @@ def _slice(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
 
 def rank_config(cfg: ModelConfig, plan: TensorParallelPlan) -> ModelConfig:
     """The model as one rank sees it: its heads, its slice of the MLP and of the vocabulary."""
+    blocker = cfg.tp_blocker()
+    if blocker is not None and plan.world_size > 1:
+        raise UnsupportedModelError(blocker)
     return dataclasses.replace(cfg, num_heads=plan.heads, num_kv_heads=plan.kv_heads,
                                intermediate_size=cfg.intermediate_size // plan.world_size,
                                vocab_size=plan.vocab_shard)
@@ -81,13 +84,17 @@ def shard_weights(weights: ModelWeights, plan: TensorParallelPlan, rank: int) ->
     for layer in weights.layers:
         layers.append(LayerWeights(
             input_norm=_take(layer.input_norm, "input_layernorm", "weight", plan, rank),
-            post_norm=_take(layer.post_norm, "post_attention_layernorm", "weight", plan, rank),
+            post_norm=None if layer.post_norm is None else _take(layer.post_norm, "post_attention_layernorm",
+                                                                 "weight", plan, rank),
             proj={name: _take(w, name, "weight", plan, rank) for name, w in layer.proj.items()},
-            bias={name: _take(b, name, "bias", plan, rank) for name, b in layer.bias.items()}))
+            bias={name: _take(b, name, "bias", plan, rank) for name, b in layer.bias.items()},
+            # q/k norms are per head (the same weights for every head) and the others span hidden: whole
+            norms={name: _take(w, name, "weight", plan, rank) for name, w in layer.norms.items()},
+            norm_bias={name: _take(b, name, "bias", plan, rank) for name, b in layer.norm_bias.items()}))
     embed = _take(weights.embed, "embed_tokens", "weight", plan, rank)
     lm_head = embed if weights.lm_head is weights.embed else _take(weights.lm_head, "lm_head", "weight", plan, rank)
     return ModelWeights(embed=embed, layers=layers, norm=_take(weights.norm, "norm", "weight", plan, rank),
-                        lm_head=lm_head)
+                        lm_head=lm_head, norm_bias=weights.norm_bias)
 
 
 def rank_selector(plan: TensorParallelPlan, rank: int) -> Selector:

@@ -46,9 +46,16 @@ class TensorParallelPlan:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    # (name, in, out) of every projection when the model names its own (ModelConfig.module_shapes:
+    # fused qkv_proj / gate_up_proj, no gate_proj); () is the Llama set below.
+    modules: tuple[tuple[str, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         n = self.world_size
+        unsplit = [m for m, _, _ in self.modules if m not in COLUMN_PARALLEL + ROW_PARALLEL]
+        if n > 1 and unsplit:
+            raise ValueError(f"the fused projections {unsplit} are not split over ranks yet: "
+                             f"serve this model with tensor_parallel_size=1")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
         if self.num_heads % n:
@@ -66,9 +73,10 @@ class TensorParallelPlan:
     @classmethod
     def for_model(cls, cfg, world_size: int) -> TensorParallelPlan:
         """From any object with ModelConfig's fields (the engine's ModelConfig)."""
+        shapes = cfg.module_shapes() if hasattr(cfg, "module_shapes") else {}
         return cls(world_size=world_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                   vocab_size=cfg.vocab_size)
+                   vocab_size=cfg.vocab_size, modules=tuple((m, fi, fo) for m, (fi, fo) in shapes.items()))
 
     @classmethod
     def configured(cls, cfg, world_size: int) -> TensorParallelPlan:
@@ -100,6 +108,8 @@ class TensorParallelPlan:
 
     def full_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of every projection of the unsplit model."""
+        if self.modules:
+            return {m: (fi, fo) for m, fi, fo in self.modules}
         h, i = self.hidden_size, self.intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),

@@ -1,0 +1,246 @@
+"""Every served architecture equals transformers + PEFT: a tiny random checkpoint built by
+transformers' own config class and save_pretrained, adapters built by peft (random lora_B, odd
+ranks, rsLoRA, MLP targets named as the family names them), one mixed batch with base-only rows,
+prompts past the sliding window where there is one, soft-caps active; greedy tokens equal and
+chosen-token logprobs within 1e-3 (float32). Refused families fail with a clear error."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex import LLM, SamplingParams
+from loraplex.gpu_engine.model.config import ModelConfig, UnsupportedModelError
+from tests.hf_reference import greedy
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+NEW_TOKENS = 12
+LOGPROB_TOL = 1e-3
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+
+
+def _randomize(model, *, one_plus: bool) -> None:
+    """Weights that give peaked, prompt-dependent logits (HF's 0.02 init gives near-uniform ones):
+    projections std 1/sqrt(fan_in), norms near 1 (near 0 where the norm is 1 + w), LM head so that
+    logits have std ~4. A tied embedding is kept small beside the layers' outputs (else the last
+    input token dominates the residual and greedy repeats it) and the final norm's gain makes up."""
+    from transformers.pytorch_utils import Conv1D
+
+    gen = torch.Generator().manual_seed(1234)
+
+    def fill(t: torch.Tensor, std: float, mean: float = 0.0) -> None:
+        t.copy_(torch.randn(t.shape, generator=gen) * std + mean)
+
+    head = model.get_output_embeddings()
+    text = model.config.get_text_config()
+    hidden = text.hidden_size
+    tied = bool(getattr(text, "tie_word_embeddings", False) or getattr(model.config, "tie_word_embeddings", False))
+    embed_std = 0.3 / (math.sqrt(hidden) if one_plus else 1.0) if tied else 1.0
+    final_gain = 4.0 / (math.sqrt(hidden) * embed_std) if tied else 1.0
+    final_norms = ("model.norm.weight", "transformer.ln_f.weight", "model.final_layernorm.weight",
+                   "model.language_model.norm.weight")
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if module is head:
+                if not tied:
+                    fill(module.weight, 4.0 / math.sqrt(hidden))
+                if getattr(module, "bias", None) is not None:
+                    fill(module.bias, 0.1)
+            elif isinstance(module, torch.nn.Linear):
+                fill(module.weight, module.in_features ** -0.5)
+                if module.bias is not None:
+                    fill(module.bias, 0.1)
+            elif isinstance(module, Conv1D):
+                fill(module.weight, module.weight.shape[0] ** -0.5)
+                fill(module.bias, 0.1)
+            elif isinstance(module, torch.nn.Embedding):
+                fill(module.weight, 0.3 if "wpe" in name else embed_std)
+        for name, p in model.named_parameters():
+            if name in final_norms:
+                fill(p, 0.1, final_gain - (1.0 if one_plus else 0.0))
+            elif p.dim() == 1 and ("norm" in name or ".ln_" in name) and name.endswith("weight"):
+                fill(p, 0.1, 0.0 if one_plus else 1.0)
+            elif p.dim() == 1 and ("norm" in name or ".ln_" in name) and name.endswith("bias"):
+                fill(p, 0.1)
+
+
+def _build(root: Path, config, adapters: dict[str, dict], *, one_plus: bool = False,
+           model_cls=None) -> tuple[Path, dict[str, Path]]:
+    torch.manual_seed(0)
+    cls = model_cls or transformers.AutoModelForCausalLM
+    model = (cls(config) if model_cls else cls.from_config(config)).to(torch.float32).eval()
+    _randomize(model, one_plus=one_plus)
+    model_dir = root / "model"
+    model.save_pretrained(model_dir, safe_serialization=True)
+    out = {}
+    for i, (name, kwargs) in enumerate(adapters.items()):
+        torch.manual_seed(100 + i)
+        lora = peft.LoraConfig(init_lora_weights=False, lora_dropout=0.0, **kwargs)
+        peft.get_peft_model(copy.deepcopy(model), lora).save_pretrained(root / name)
+        out[name] = root / name
+    return model_dir, out
+
+
+def _prompts(seed: int, lengths: list[int], vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _check(model_dir: Path, adapters: dict[str, Path], lengths: list[int], names: list[str | None]) -> None:
+    llm = LLM(model_dir, page_tokens=8, num_pages=256)
+    for name, path in adapters.items():
+        llm.add_adapter(name, path)
+    prompts = _prompts(len(lengths), lengths, llm.config.vocab_size)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+    outs = llm.generate(prompts, adapters=names, sampling=params)
+    seen: set[int] = set()
+    for prompt, name, out in zip(prompts, names, outs):
+        ref_tokens, ref_logprobs = greedy(model_dir, adapters.get(name), prompt, NEW_TOKENS)
+        seen.update(ref_tokens)
+        assert out.token_ids == ref_tokens, f"adapter {name}: tokens differ"
+        worst = max(abs(a - b) for a, b in zip(out.logprobs, ref_logprobs))
+        assert worst < LOGPROB_TOL, f"adapter {name}: logprob error {worst}"
+    # a model that repeats each prompt's last token (the failure of badly scaled random weights) gives
+    # about one distinct token per prompt
+    assert len(seen) > len(prompts) + 3, f"degenerate reference: only {len(seen)} distinct greedy tokens"
+
+
+LLAMA_TARGETS = {
+    "qv3": dict(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj"]),
+    "all5": dict(r=5, lora_alpha=4, use_rslora=True,
+                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "mlp7": dict(r=7, lora_alpha=7, target_modules=["gate_proj", "up_proj", "down_proj"]),
+}
+NAMES = ["qv3", None, "all5", "mlp7", None]
+
+
+def test_qwen3(tmp_path):
+    config = transformers.Qwen3Config(**TINY, head_dim=24, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    model_dir, adapters = _build(tmp_path, config, LLAMA_TARGETS)
+    cfg = ModelConfig.from_dir(model_dir)
+    assert cfg.qk_norm and cfg.head_dim == 24 and not cfg.qkv_bias
+    _check(model_dir, adapters, [30, 7, 41, 19, 25], NAMES)
+
+
+def test_gemma2_softcap_sliding(tmp_path):
+    config = transformers.Gemma2Config(**{**TINY, "num_hidden_layers": 3}, head_dim=16, sliding_window=12,
+                                       attn_logit_softcapping=3.0, final_logit_softcapping=6.0,
+                                       query_pre_attn_scalar=24, attn_implementation="eager")
+    model_dir, adapters = _build(tmp_path, config, LLAMA_TARGETS, one_plus=True)
+    cfg = ModelConfig.from_dir(model_dir)
+    assert cfg.layer_windows == (12, None, 12) and cfg.attn_softcap == 3.0 and cfg.final_softcap == 6.0
+    _check(model_dir, adapters, [40, 9, 33, 26, 18], NAMES)
+
+
+def test_gemma3_text_local_rope(tmp_path):
+    config = transformers.Gemma3TextConfig(
+        **{**TINY, "num_hidden_layers": 3}, head_dim=16, sliding_window=10, layer_types=[
+            "sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=16,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})
+    model_dir, adapters = _build(tmp_path, config, LLAMA_TARGETS, one_plus=True)
+    cfg = ModelConfig.from_dir(model_dir)
+    assert cfg.qk_norm and cfg.local_rope_theta == 500.0 and cfg.rope_scaling.rope_type == "linear"
+    _check(model_dir, adapters, [35, 8, 22, 31, 14], NAMES)
+
+
+def test_gemma3_multimodal_language_model(tmp_path):
+    text = transformers.Gemma3TextConfig(**TINY, head_dim=16, sliding_window=10,
+                                         layer_types=["sliding_attention", "full_attention"])
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4)
+    adapters = {"lm5": dict(r=5, lora_alpha=5, target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)")}
+    model_dir, adapters = _build(tmp_path, config, adapters, one_plus=True,
+                                 model_cls=transformers.Gemma3ForConditionalGeneration)
+    cfg = ModelConfig.from_dir(model_dir)
+    assert cfg.model_type == "gemma3_text" and cfg.layer_prefix == "model.language_model.layers"
+    _check(model_dir, adapters, [24, 13, 30], ["lm5", None, "lm5"])
+
+
+def test_phi3_fused_longrope(tmp_path):
+    rope_dim = 12  # head_dim 16 times partial_rotary_factor 0.75
+    g = torch.Generator().manual_seed(3)
+    short = (1.0 + torch.rand(rope_dim // 2, generator=g)).tolist()
+    long = (2.0 + 4 * torch.rand(rope_dim // 2, generator=g)).tolist()
+    config = transformers.Phi3Config(
+        **TINY, max_position_embeddings=128, original_max_position_embeddings=32, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope", "short_factor": short, "long_factor": long})
+    adapters = {"qkv3": dict(r=3, lora_alpha=6, target_modules=["qkv_proj", "o_proj"]),
+                "all5": dict(r=5, lora_alpha=4, use_rslora=True,
+                             target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+                "mlp7": dict(r=7, lora_alpha=7, target_modules=["gate_up_proj", "down_proj"])}
+    model_dir, adapters = _build(tmp_path, config, adapters)
+    cfg = ModelConfig.from_dir(model_dir)
+    assert cfg.rope_scaling.rope_type == "longrope" and cfg.rope_dim == rope_dim
+    # a prompt past the original 32 positions (long factors from its prefill), one crossing while decoding
+    _check(model_dir, adapters, [40, 9, 25, 28, 12], ["qkv3", None, "all5", "mlp7", None])
+
+
+def test_gpt2_conv1d(tmp_path):
+    config = transformers.GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+    adapters = {"attn3": dict(r=3, lora_alpha=6, target_modules=["c_attn"], fan_in_fan_out=True),
+                "all5": dict(r=5, lora_alpha=4, use_rslora=True, fan_in_fan_out=True,
+                             target_modules=["c_attn", "c_proj", "c_fc"])}
+    model_dir, adapters = _build(tmp_path, config, adapters)
+    _check(model_dir, adapters, [30, 9, 21, 17], ["attn3", None, "all5", "all5"])
+
+
+def test_gemma1(tmp_path):
+    config = transformers.GemmaConfig(**TINY, head_dim=16)
+    model_dir, adapters = _build(tmp_path, config, LLAMA_TARGETS, one_plus=True)
+    _check(model_dir, adapters, [30, 7, 41, 19, 25], NAMES)
+
+
+def test_phi_parallel_partial_rotary(tmp_path):
+    config = transformers.PhiConfig(**TINY, partial_rotary_factor=0.5)
+    adapters = {"qd3": dict(r=3, lora_alpha=6, target_modules=["q_proj", "dense"]),
+                "all5": dict(r=5, lora_alpha=4, use_rslora=True,
+                             target_modules=["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"])}
+    model_dir, adapters = _build(tmp_path, config, adapters)
+    _check(model_dir, adapters, [30, 9, 21, 17], ["qd3", None, "all5", "all5"])
+
+
+def test_qwen2_sliding_window_layers(tmp_path):
+    config = transformers.Qwen2Config(**{**TINY, "num_hidden_layers": 3}, use_sliding_window=True,
+                                      sliding_window=10, max_window_layers=1)
+    model_dir, adapters = _build(tmp_path, config, {"qv3": LLAMA_TARGETS["qv3"]})
+    cfg = ModelConfig.from_dir(model_dir)
+    assert cfg.layer_windows == (None, 10, 10)
+    _check(model_dir, adapters, [33, 8, 27], ["qv3", None, "qv3"])
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_next", "nemotron_h"])
+def test_refused_families(model_type):
+    with pytest.raises(UnsupportedModelError, match=model_type):
+        ModelConfig.from_hf({"model_type": model_type, **TINY})
+
+
+def test_gemma3_vision_tensors_only_by_prefix(tmp_path):
+    """The vision tower is read past by name; any other unknown tensor is still refused."""
+    from safetensors.torch import load_file, save_file
+
+    text = transformers.Gemma3TextConfig(**TINY, head_dim=16, sliding_window=10)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+        patch_size=14).to_dict(), mm_tokens_per_image=4)
+    model_dir, _ = _build(tmp_path, config, {}, one_plus=True, model_cls=transformers.Gemma3ForConditionalGeneration)
+    from loraplex.gpu_engine.model.weights import load_weights
+
+    cfg = ModelConfig.from_dir(model_dir)
+    load_weights(model_dir, cfg, device=torch.device("cpu"), dtype=torch.float32)
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["audio_tower.stray.weight"] = torch.randn(3)
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="audio_tower"):
+        load_weights(model_dir, cfg, device=torch.device("cpu"), dtype=torch.float32)
+    assert json.loads((model_dir / "config.json").read_text())["model_type"] == "gemma3"
