@@ -49,6 +49,8 @@ CASES: dict[str, tuple[dict, bool]] = {
     "patterns": (dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
                       rank_pattern={"q_proj": 8, "model.layers.1.mlp.down_proj": 2},
                       alpha_pattern={"v_proj": 32, "layers.2.mlp.down_proj": 3}), True),
+    "exclude": (dict(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj"],
+                     exclude_modules=["model.layers.1.self_attn.q_proj"]), True),
     "bin": (dict(r=7, lora_alpha=14, target_modules=["q_proj", "k_proj", "gate_proj"], use_rslora=True), False),
 }
 
@@ -230,6 +232,17 @@ def test_an_oversized_bin_is_refused_before_reading_and_the_daemon_hashes_a_bin(
     with pytest.raises(AdapterFileError, match=f"at most {MAX_WEIGHTS_BYTES}"):
         adapter_content_hash(path)
     os.unlink(path / ADAPTER_BIN)
+
+
+def test_a_legacy_non_zip_bin_loads_the_same_weights(model_dir, tmp_path):
+    """torch.save's pre-1.6 format cannot be memory-mapped: it is read (still restricted) instead."""
+    path = _bin_adapter(model_dir, tmp_path / "legacy")
+    zipped = _load(model_dir, path)
+    tensors = torch.load(path / ADAPTER_BIN, weights_only=True)
+    torch.save(tensors, path / ADAPTER_BIN, _use_new_zipfile_serialization=False)
+    assert (path / ADAPTER_BIN).read_bytes()[:4] != b"PK\x03\x04"
+    legacy = _load(model_dir, path)
+    assert all(torch.equal(legacy.a[i]["q_proj"], zipped.a[i]["q_proj"]) for i in range(LAYERS))
 
 
 def test_safetensors_is_preferred_when_both_exist(model_dir, tmp_path):
