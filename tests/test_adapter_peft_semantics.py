@@ -295,3 +295,31 @@ def test_through_a_daemon_a_bin_serves_as_its_safetensors_and_a_code_pickle_is_a
         assert outs[0].logprobs != outs[2].logprobs  # the adapter is applied
     finally:
         assert proc.stop() == 0, proc.log()
+
+
+def test_a_gpt2_conv1d_adapter_with_fan_in_fan_out_loads_as_peft_holds_it(tmp_path):
+    """GPT-2's Conv1D bases (fan_in_fan_out, fused c_attn, "all-linear" saved as full paths): A is
+    [r, in] and B [out, r] as peft holds them; the engine names come from the family's module_paths."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=128, bos_token_id=1,
+                        eos_token_id=2)
+    torch.manual_seed(4)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt2")
+    try:
+        cfg = ModelConfig.from_dir(tmp_path / "gpt2")
+    except ValueError as exc:  # a tree without the gpt2 family (issue 32, architectures)
+        pytest.skip(f"gpt2 bases are not served in this tree: {exc}")
+    for targets in (["c_attn", "c_fc"], "all-linear"):
+        torch.manual_seed(5)
+        peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2"),
+                                    LoraConfig(r=4, lora_alpha=8, target_modules=targets, fan_in_fan_out=True,
+                                               init_lora_weights=False))
+        peft_model.save_pretrained(tmp_path / "ad")
+        adapter = load_peft_adapter("g", tmp_path / "ad", cfg, max_lora_rank=16, dtype=torch.float32)
+        paths = cfg.module_paths()
+        for name in adapter.spec.targets:
+            lora = peft_model.get_submodule(f"base_model.model.{cfg.layer_prefix}.1.{paths[name]}")
+            assert torch.equal(adapter.a[1][name], lora.lora_A["default"].weight.detach())
+            assert torch.equal(adapter.b[1][name], lora.lora_B["default"].weight.detach())
+        assert len(adapter.spec.targets) == (2 if isinstance(targets, list) else len(paths))
