@@ -121,19 +121,43 @@ LLAMA_TARGETS = {
 NAMES = ["qv3", None, "all5", "mlp7", None]
 
 
-def test_qwen3(tmp_path):
+def _qwen3(root: Path):
     config = transformers.Qwen3Config(**TINY, head_dim=24, tie_word_embeddings=False, rms_norm_eps=1e-6)
-    model_dir, adapters = _build(tmp_path, config, LLAMA_TARGETS)
+    return _build(root, config, LLAMA_TARGETS)
+
+
+def _gemma2(root: Path):
+    config = transformers.Gemma2Config(**{**TINY, "num_hidden_layers": 3}, head_dim=16, sliding_window=12,
+                                       attn_logit_softcapping=3.0, final_logit_softcapping=6.0,
+                                       query_pre_attn_scalar=24, attn_implementation="eager")
+    return _build(root, config, LLAMA_TARGETS, one_plus=True)
+
+
+def _phi3(root: Path):
+    rope_dim = 12  # head_dim 16 times partial_rotary_factor 0.75
+    g = torch.Generator().manual_seed(3)
+    short = (1.0 + torch.rand(rope_dim // 2, generator=g)).tolist()
+    long = (2.0 + 4 * torch.rand(rope_dim // 2, generator=g)).tolist()
+    config = transformers.Phi3Config(
+        **TINY, max_position_embeddings=128, original_max_position_embeddings=32, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope", "short_factor": short, "long_factor": long})
+    adapters = {"qkv3": dict(r=3, lora_alpha=6, target_modules=["qkv_proj", "o_proj"]),
+                "all5": dict(r=5, lora_alpha=4, use_rslora=True,
+                             target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+                "mlp7": dict(r=7, lora_alpha=7, target_modules=["gate_up_proj", "down_proj"])}
+    return _build(root, config, adapters)
+
+
+def test_qwen3(tmp_path):
+    model_dir, adapters = _qwen3(tmp_path)
     cfg = ModelConfig.from_dir(model_dir)
     assert cfg.qk_norm and cfg.head_dim == 24 and not cfg.qkv_bias
     _check(model_dir, adapters, [30, 7, 41, 19, 25], NAMES)
 
 
 def test_gemma2_softcap_sliding(tmp_path):
-    config = transformers.Gemma2Config(**{**TINY, "num_hidden_layers": 3}, head_dim=16, sliding_window=12,
-                                       attn_logit_softcapping=3.0, final_logit_softcapping=6.0,
-                                       query_pre_attn_scalar=24, attn_implementation="eager")
-    model_dir, adapters = _build(tmp_path, config, LLAMA_TARGETS, one_plus=True)
+    model_dir, adapters = _gemma2(tmp_path)
     cfg = ModelConfig.from_dir(model_dir)
     assert cfg.layer_windows == (12, None, 12) and cfg.attn_softcap == 3.0 and cfg.final_softcap == 6.0
     _check(model_dir, adapters, [40, 9, 33, 26, 18], NAMES)
@@ -167,19 +191,8 @@ def test_gemma3_multimodal_language_model(tmp_path):
 
 
 def test_phi3_fused_longrope(tmp_path):
-    rope_dim = 12  # head_dim 16 times partial_rotary_factor 0.75
-    g = torch.Generator().manual_seed(3)
-    short = (1.0 + torch.rand(rope_dim // 2, generator=g)).tolist()
-    long = (2.0 + 4 * torch.rand(rope_dim // 2, generator=g)).tolist()
-    config = transformers.Phi3Config(
-        **TINY, max_position_embeddings=128, original_max_position_embeddings=32, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.75,
-        rope_scaling={"rope_type": "longrope", "short_factor": short, "long_factor": long})
-    adapters = {"qkv3": dict(r=3, lora_alpha=6, target_modules=["qkv_proj", "o_proj"]),
-                "all5": dict(r=5, lora_alpha=4, use_rslora=True,
-                             target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
-                "mlp7": dict(r=7, lora_alpha=7, target_modules=["gate_up_proj", "down_proj"])}
-    model_dir, adapters = _build(tmp_path, config, adapters)
+    model_dir, adapters = _phi3(tmp_path)
+    rope_dim = 12
     cfg = ModelConfig.from_dir(model_dir)
     assert cfg.rope_scaling.rope_type == "longrope" and cfg.rope_dim == rope_dim
     # a prompt past the original 32 positions (long factors from its prefill), one crossing while decoding
@@ -244,3 +257,55 @@ def test_gemma3_vision_tensors_only_by_prefix(tmp_path):
     with pytest.raises(UnsupportedModelError, match="audio_tower"):
         load_weights(model_dir, cfg, device=torch.device("cpu"), dtype=torch.float32)
     assert json.loads((model_dir / "config.json").read_text())["model_type"] == "gemma3"
+
+
+@pytest.mark.parametrize("build", [_phi3, _gemma2], ids=["phi3-fused", "gemma2"])
+def test_merged_mode_equals_unmerged(tmp_path, build):
+    """dLoRA merged mode folds s·B·A into the family's projections (fused ones whole) by their
+    module_shapes names: merged base rows equal the unmerged adapter's; unmerge is bit-exact."""
+    from loraplex.gpu_engine.lora.merge import merge_adapter, unmerge
+
+    model_dir, adapters = build(tmp_path)
+    llm = LLM(model_dir, page_tokens=8, num_pages=128)
+    llm.add_adapter("all5", adapters["all5"])
+    w = llm.executor.model.w
+    before = {(i, m): t.clone() for i, layer in enumerate(w.layers) for m, t in layer.proj.items()}
+    prompts = _prompts(9, [37, 11], llm.config.vocab_size)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+    unmerged = llm.generate(prompts, adapters="all5", sampling=params)
+    state = merge_adapter(w, llm.executor.host["all5"].adapter)
+    merged = llm.generate(prompts, adapters=None, sampling=params)
+    for got, want in zip(merged, unmerged):
+        assert got.token_ids == want.token_ids
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-4
+    unmerge(state)
+    assert all(torch.equal(w.layers[i].proj[m], t) for (i, m), t in before.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [_qwen3, _gemma2], ids=["qwen3", "gemma2"])
+def test_tp2_equals_single_device(tmp_path, build):
+    """Families whose heads split run tensor-parallel: q/k norms and Gemma's extra norms stay whole
+    on every rank, the final soft-cap applies to the gathered logits."""
+    from tests.tp_support import Case, single_device_run, spawn_ranks
+
+    model_dir, adapters = build(tmp_path)
+    prompts = _prompts(5, [9, 30, 17, 22], 512)
+    case = Case(model_dir=str(model_dir), adapters={n: str(p) for n, p in adapters.items()}, prompts=prompts,
+                names=["all5", None, "mlp7", "qv3"], new_tokens=3, page_tokens=8)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = spawn_ranks(2, case, out)
+    logits, tokens = single_device_run(case)
+    assert torch.equal(result["tokens"], tokens)
+    assert (result["logits"] - logits).abs().max().item() < 1e-4
+
+
+def test_tp_refused_for_fused_families():
+    from loraplex.contracts.tensor_parallel import TensorParallelPlan
+
+    cfg = ModelConfig.from_hf({"model_type": "phi3", **TINY})
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        TensorParallelPlan.for_model(cfg, 2)
+    gpt2 = ModelConfig.from_hf({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512})
+    assert gpt2.tp_blocker() is not None and TensorParallelPlan.for_model(gpt2, 1).full_shapes()["qkv_proj"] == (64, 192)

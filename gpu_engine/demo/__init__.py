@@ -11,6 +11,7 @@ from __future__ import annotations
 from .adapter import write_random_adapter
 from .builtin import DEMO_ENV, DEMO_KINDS, builtin_demo, builtin_demo_kind
 from .checkpoint import llama_config, mistral_config, qwen2_config, write_random_checkpoint
+from .families import FAMILIES, family_config
 from .model import DEMO_ADAPTERS, DemoAdapterSpec, DemoModel, default_demo_dir, demo_model_config, ensure_demo_model
 from .styles import STYLES, Style
 from .tokenizer import build_demo_tokenizer, write_tokenizer
@@ -25,6 +26,7 @@ __all__ = [
     "TRAINED_DIR",
     "DemoAdapterSpec",
     "DemoModel",
+    "FAMILIES",
     "Style",
     "build_demo_tokenizer",
     "builtin_demo",
@@ -32,6 +34,7 @@ __all__ = [
     "default_demo_dir",
     "demo_model_config",
     "ensure_demo_model",
+    "family_config",
     "install_trained_demo",
     "llama_config",
     "mistral_config",

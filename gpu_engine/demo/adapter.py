@@ -1,8 +1,10 @@
-"""Random PEFT LoRA adapters for a random (or real) Llama-family base config.
+"""Random PEFT LoRA adapters for a random (or real) base config of any served family.
 
 Owns the adapter_config.json fields and lora_A/lora_B tensor names and scales
-of a demo adapter. B is never zero: the delta is sized to a fixed fraction of
-the base projection's output so different adapters decode differently.
+of a demo adapter. Targets are the engine's module names (ModelConfig.module_shapes:
+qkv_proj for a fused family, ...); the files name them as the family does (GPT-2's
+c_attn, Phi's dense, ...), where PEFT would. B is never zero: the delta is sized to
+a fixed fraction of the base projection's output so different adapters decode differently.
 """
 from __future__ import annotations
 
@@ -14,13 +16,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import module_prefix, projection_shapes
 
 # Per-element rms of s·(x Aᵀ) Bᵀ relative to the base output x Wᵀ (whose rms
 # equals rms(x) under the checkpoint's 1/sqrt(in) weight scale): visible, not dominant.
 LORA_DELTA_RATIO = 0.3
 
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # Llama's
 
 
 def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
@@ -40,23 +41,27 @@ def write_random_adapter(
     extra_config: dict[str, Any] | None = None,
 ) -> None:
     """Write adapter_config.json and adapter_model.safetensors for a random LoRA."""
+    from loraplex.gpu_engine.model.config import ModelConfig
+
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
     if alpha <= 0:
         raise ValueError(f"alpha must be > 0, got {alpha}")
-    unknown = sorted(set(target_modules) - set(TARGET_MODULES))
+    cfg = ModelConfig.from_hf(model_config)
+    known = tuple(cfg.module_shapes())
+    unknown = sorted(set(target_modules) - set(known))
     if unknown or not target_modules:
-        raise ValueError(f"target_modules must be a non-empty subset of {TARGET_MODULES}, got {target_modules}")
+        raise ValueError(f"target_modules must be a non-empty subset of {known}, got {target_modules}")
     targets = sorted(set(target_modules))
-    shapes = projection_shapes(model_config)
+    paths = cfg.module_paths()
     scaling = lora_scaling(rank, alpha, use_rslora)
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     tensors: dict[str, torch.Tensor] = {}
-    for i in range(int(model_config["num_hidden_layers"])):
+    for i in range(cfg.num_layers):
         for name in targets:
-            out_f, in_f = shapes[name]
-            base = f"base_model.model.model.layers.{i}.{module_prefix(name)}.{name}"
+            in_f, out_f = cfg.module_shapes()[name]
+            base = f"base_model.model.{cfg.layer_prefix}.{i}.{paths[name]}"
             # x Aᵀ has per-element std a·sqrt(in)·rms(x); with a = 1/sqrt(in) it is rms(x).
             # Then s·(x Aᵀ) Bᵀ has std s·b·sqrt(r)·rms(x), so b = ratio / (s·sqrt(r)).
             a_std = 1.0 / math.sqrt(in_f)
@@ -69,13 +74,13 @@ def write_random_adapter(
         "task_type": "CAUSAL_LM",
         "r": rank,
         "lora_alpha": alpha,
-        "target_modules": targets,
+        "target_modules": sorted(_peft_names(paths, targets)),
         "lora_dropout": 0.0,
         "bias": "none",
         "use_rslora": use_rslora,
         "use_dora": False,
         "modules_to_save": None,
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": cfg.conv1d,  # PEFT's flag for GPT-2's Conv1D (the tensors are the same shapes)
         "init_lora_weights": True,
         "layers_to_transform": None,
         "layers_pattern": None,
@@ -89,3 +94,14 @@ def write_random_adapter(
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(tensors, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def _peft_names(paths: dict[str, str], targets: list[str]) -> list[str]:
+    """PEFT target names: a module's own name, or its path in the layer where that name is shared
+    (GPT-2's attn.c_proj and mlp.c_proj)."""
+    leaves = [path.rsplit(".", 1)[-1] for path in paths.values()]
+    names = []
+    for name in targets:
+        leaf = paths[name].rsplit(".", 1)[-1]
+        names.append(leaf if leaves.count(leaf) == 1 else paths[name])
+    return names

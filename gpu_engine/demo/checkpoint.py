@@ -1,4 +1,5 @@
-"""Random HuggingFace-format checkpoints for Llama, Mistral and Qwen2 configs.
+"""Random HuggingFace-format checkpoints for Llama, Mistral and Qwen2 configs (and, through
+families.py, for every other family the engine serves).
 
 Owns the tensor names, shapes and value scales of a freshly random base model
 and the on-disk layout (single file or HF-style shards plus index). Values are
@@ -128,7 +129,9 @@ def random_state_dict(config: dict[str, Any], *, seed: int, dtype: torch.dtype =
     """All tensors of a random checkpoint, in a fixed generation order."""
     model_type = config.get("model_type")
     if model_type not in _SUPPORTED_TYPES:
-        raise ValueError(f"model_type must be one of {_SUPPORTED_TYPES}, got {model_type!r}")
+        from .families import family_state_dict
+
+        return family_state_dict(config, seed=seed, dtype=dtype)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     hidden = int(config["hidden_size"])
     vocab = int(config["vocab_size"])
