@@ -207,7 +207,8 @@ class EngineSlot:
                             ttft_slo_s=None if sched.ttft_slo_ms is None else sched.ttft_slo_ms / 1e3,
                             cluster_adapters=sched.cluster_adapters, cache_policy=cache_policy,
                             cache_predictor=predictor, prefix_cache=sched.prefix_cache,
-                            admit_when_loaded=sched.admit_when_loaded and self.load_mode == "on_demand"),
+                            admit_when_loaded=sched.admit_when_loaded and self.load_mode == "on_demand",
+                            kv_window=hello.kv_window),
             geometry, self.allocator, adapters.pages, tuple(hello.eos_token_ids), adapter_rank=rank_of,
         )
         scheduler.adapters.host_resident = self.host_resident

@@ -27,6 +27,7 @@ from loraplex.gpu_engine.engine_orders import EngineOrders
 from loraplex.gpu_engine.faults import install_faults
 from loraplex.gpu_engine.malloc_arenas import bound_malloc_arenas
 from loraplex.gpu_engine.model.config import ModelConfig
+from loraplex.gpu_engine.pool import kv_window
 from loraplex.gpu_engine.runtime import EngineRuntime, build_runtime, resolve_spec
 from loraplex.gpu_engine.tp.group import RankGroup
 from loraplex.ipc.engine_plan import StepPlan
@@ -122,7 +123,7 @@ def hello_for(runtime: EngineRuntime, demo_adapters: dict[str, str],
         if resources else "",
         exchange=resources.assist.layout if resources else None,
         tensor_parallel_size=runtime.executor.split.world_size, rank_pids=group.pids if group is not None else [],
-        **runtime.executor.graph_info.as_dict(),
+        kv_window=kv_window(cfg.layer_windows), **runtime.executor.graph_info.as_dict(),
     )
 
 

@@ -2,13 +2,24 @@
 holding KV entries and adapter rows in the same pages.
 
 Owns tensor reads and writes only; which page holds what is decided by the
-torch-free allocator in loraplex.daemon.memory.
+torch-free allocator in loraplex.daemon.memory (and, on sliding-window models,
+which pages may leave before their sequence ends: `kv_window`).
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from loraplex.contracts.geometry import PageGeometry
+
+
+def kv_window(layer_windows: Sequence[int | None]) -> int | None:
+    """The sliding window every attention layer shares, None when some layer sees its whole
+    context. A page holds every layer's K/V for its positions, so a page can leave the pool before
+    its sequence ends only when all layers slide (Mistral): the engine reports this to the daemon."""
+    windows = set(layer_windows)
+    return windows.pop() if len(windows) == 1 and None not in windows else None
 
 
 class UnifiedPool:
@@ -36,9 +47,16 @@ class UnifiedPool:
         kv[page_ids, slots, 0] = k
         kv[page_ids, slots, 1] = v
 
-    def read_kv(self, layer: int, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # -> k, v: [length, kv_dim] gathered through the sequence's page table
-        entries = self.kv(layer)[pages].flatten(0, 1)[:length]
+    def read_kv(self, layer: int, pages: torch.Tensor, length: int,
+                first_key: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> k, v: [length, kv_dim] gathered through the sequence's page table. Pages wholly
+        before `first_key` (the oldest key a sliding window lets the row's queries see) are not
+        read and come back as zeros: a sliding-window model gives them back to the pool, and
+        their table entries are placeholders (daemon/scheduler/kv_pages.py)."""
+        skip = first_key // self.geometry.page_tokens * self.geometry.page_tokens
+        entries = self.kv(layer)[pages[skip // self.geometry.page_tokens:]].flatten(0, 1)[:max(length - skip, 0)]
+        if skip:
+            entries = torch.cat([entries.new_zeros((min(skip, length),) + entries.shape[1:]), entries])
         return entries[:, 0], entries[:, 1]
 
     def layer_flat(self, layer: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
 from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS, EngineSpec
 from loraplex.errors import AdapterError, InvalidTokenError, PromptTooLongError, UnknownAdapterError
 from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
+from loraplex.gpu_engine.pool import kv_window
 from loraplex.gpu_engine.runtime import build_runtime
 from loraplex.ipc.engine_plan import SamplingSpec
 from loraplex.ipc.guided import Guided
@@ -131,7 +132,8 @@ class LLM:
         self.scheduler = FcfsScheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
                             max_model_len=self.max_model_len, load_groups=load_groups,
-                            max_loras_per_batch=0, admit_when_loaded=admit_when_loaded),
+                            max_loras_per_batch=0, admit_when_loaded=admit_when_loaded,
+                            kv_window=kv_window(self.config.layer_windows)),
             self.geometry, self.allocator, self._adapter_pages, self.config.eos_token_ids,
         )
         self.tokenizer = self._load_tokenizer()

@@ -97,7 +97,7 @@ def _pool_step(seed: int, rows: list[tuple[int, int]], *, kv_heads: int, head_di
     pool = UnifiedPool(layers, 40, geometry, device=torch.device(DEVICE), dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     pool.data.copy_(torch.randn(pool.data.shape, generator=g))
-    free = torch.randperm(40, generator=g).tolist()
+    free = torch.randperm(39, generator=g).tolist()  # page 39 is no row's, as the engine's scratch page
     spans: list[RowSpan] = []
     first = 0
     for count, start in rows:
@@ -176,3 +176,30 @@ def test_triton_backend_softcap_and_layer_windows_match_torch(heads: int, kv_hea
         assert (want - uncapped.forward(q, layer, batch, pool)).abs().max() > 1e-2
         torch.testing.assert_close(triton_attn.forward(q, layer, batch, pool), want, rtol=1e-4, atol=1e-4,
                                    msg=lambda m: f"layer {layer}, seed {seed}: {m}")
+
+
+# ---- pages before the window are never read (sliding-window KV release) ------------------------------
+def test_no_path_reads_a_page_wholly_before_the_window() -> None:
+    """A sliding-window model gives pages wholly before a row's window back to the pool, leaving
+    placeholders in its page table (daemon/scheduler/kv_pages.py): point those entries at a page of
+    NaNs and every path (prefill, decode, the torch reference's pool read) must give the same output."""
+    seed, window = fresh_seed(), 6
+    pool, batch, g, tokens = _pool_step(seed, [(1, 21), (9, 8), (1, 13), (5, 14)], kv_heads=KVH, head_dim=D,
+                                        layers=1)
+    q = torch.randn(tokens, H, D, generator=g).to(DEVICE)
+    for attn in (TorchPagedAttention(H, KVH, D, (window,), softcap=CAP),
+                 TritonPagedAttention(H, KVH, D, (window,), softcap=CAP)):
+        want = attn.forward(q, 0, batch, pool)
+        poisoned = pool.data[0, -1].clone()
+        pool.data[0, -1] = float("nan")  # the last page is no row's: the placeholder
+        rows = [RowSpan(r.first, r.count, r.start_pos, r.context, r.pages.clone()) for r in batch.rows]
+        for r in rows:
+            out = max(0, r.start_pos - window + 1) // PT  # pages wholly before the first query's window
+            r.pages[:out] = pool.num_pages - 1
+        assert sum(max(0, r.start_pos - window + 1) // PT for r in rows) >= 4
+        later = ForwardBatch(token_ids=batch.token_ids, positions=batch.positions, kv_page_ids=batch.kv_page_ids,
+                             kv_slots=batch.kv_slots, rows=rows, sample_tokens=batch.sample_tokens, lora_groups=[])
+        got = attn.forward(q, 0, later, pool)
+        pool.data[0, -1] = poisoned
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{type(attn).__name__}, seed {seed}: {m}")

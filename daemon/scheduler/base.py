@@ -157,6 +157,7 @@ class BaseScheduler(ABC):
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
             seq.kv_pages = []  # a preempted sequence's pages were released when it was preempted
+            seq.released_pages = 0
             seq.cached_blocks = 0
         else:
             self.running.remove(seq)
@@ -296,6 +297,7 @@ class BaseScheduler(ABC):
     def _grow_kv(self, seq: Sequence, n: int) -> bool:
         """Give running `seq` the KV pages its next `n` tokens lack, preempting the newest running
         sequences until there is room; False when `seq` itself had to go."""
+        self.kv.slide(seq)
         need = self.kv.chunk(seq, n)
         while need > 0 and not self.adapters.make_room(need):
             victim = self.running[-1]

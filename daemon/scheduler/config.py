@@ -53,6 +53,11 @@ class SchedulerConfig:
     # prefix_cache_share of the pool and idle adapters leave before any prefix page does.
     prefix_eviction: str = "unified"
     prefix_cache_share: float = 0.5
+    # The sliding window, in tokens, of every attention layer of the model (the engine reports it:
+    # EngineHello.kv_window); None where some layer sees its whole context. With one, the KV pages
+    # wholly before the window of a sequence's next token go back to the pool (kv_pages.py), and the
+    # prefix cache is off (prefix_reuse.py says why).
+    kv_window: int | None = None
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_batched_tokens, self.max_model_len, self.load_groups) <= 0:
@@ -65,5 +70,7 @@ class SchedulerConfig:
             raise ValueError(f"prefix_eviction must be one of {PREFIX_EVICTIONS}, got {self.prefix_eviction!r}")
         if not (0.0 < self.prefix_cache_share <= 1.0):
             raise ValueError(f"prefix_cache_share must be in (0, 1], got {self.prefix_cache_share!r}")
+        if self.kv_window is not None and self.kv_window <= 0:
+            raise ValueError(f"kv_window must be a positive number of tokens or None, got {self.kv_window!r}")
         if self.cluster_max_skips <= 0:
             raise ValueError("cluster_max_skips must be positive")

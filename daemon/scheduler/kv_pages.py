@@ -1,6 +1,8 @@
 """KV page accounting for the scheduler (torch-free): how many pages of the unified pool a
 sequence needs (at worst, for its next chunk, with its adapter placed), whether they are there,
-the free pages held back for requests waiting for their adapter, and giving pages back.
+the free pages held back for requests waiting for their adapter, and giving pages back: all of a
+sequence's when it leaves, and on a sliding-window model (SchedulerConfig.kv_window) its leading
+pages as they fall wholly out of the window of its next token.
 
 It allocates and frees KV pages and asks adapter residency for room, but never decides whom to
 preempt or admit: that is the scheduler's (base.py).
@@ -28,12 +30,45 @@ class KvPages:
         self.adapter_pages = adapter_pages
         self.prefix = prefix
         self.held = 0  # free pages held back for requests awaiting their adapter: the KV of their first chunk
+        # What a released page's entry in a page table becomes: the page one past those the allocator
+        # hands out (the engine's scratch page), which no sequence owns and no kernel reads for it.
+        self.placeholder = allocator.num_pages
+        self.released = 0  # pages given back out of sliding windows, over the scheduler's life
 
     def worst(self, req: SeqRequest) -> int:
         """KV pages a request needs at most (the whole prompt is prefilled even past
-        max_model_len, so it bounds the need from below)."""
+        max_model_len, so it bounds the need from below). On a sliding-window model a sequence
+        holds at most the window before its chunk and the chunk: released pages come back."""
         worst_len = max(len(req.prompt_ids), min(len(req.prompt_ids) + req.max_tokens, self.config.max_model_len))
-        return self.geometry.kv_pages_for(worst_len)
+        pages = self.geometry.kv_pages_for(worst_len)
+        window = self.config.kv_window
+        if window is None:
+            return pages
+        # keys from p0 - window + 1 (rounded down to a page start) through the chunk's last, p0 + n - 1
+        return min(pages, self.geometry.kv_pages_for(window - 1 + self.config.max_batched_tokens) + 1)
+
+    def slide(self, seq: Sequence) -> int:
+        """Give back the leading pages of `seq` wholly before the window of its next token (at
+        position num_computed, which attends to keys from num_computed - window + 1 on: neither
+        kernel nor the torch path reads an earlier one); returns how many. They are freed (with a
+        window the prefix cache is off, so none is shared); the table keeps the placeholder in
+        their place, so positions still index it."""
+        window = self.config.kv_window
+        if window is None:
+            return 0
+        out = min(max(0, seq.num_computed - window + 1) // self.geometry.page_tokens, len(seq.kv_pages))
+        first = seq.released_pages
+        if out <= first:
+            return 0
+        self.allocator.free(seq.kv_pages[first:out])
+        seq.kv_pages[first:out] = [self.placeholder] * (out - first)
+        seq.released_pages = out
+        self.released += out - first
+        return out - first
+
+    def held_pages(self, seq: Sequence) -> int:
+        """KV pages `seq` holds in the pool (its table less the released entries)."""
+        return len(seq.kv_pages) - seq.released_pages
 
     def check_pool(self, req: SeqRequest) -> None:
         """CapacityError when the whole pool could not hold the request at its longest, with its adapter."""
@@ -85,6 +120,7 @@ class KvPages:
     def grow(self, seq: Sequence, n: int) -> bool:
         """Give `seq` the KV pages its next `n` tokens lack, making room by evicting what nobody
         holds (idle adapters, cached prefixes); False, and nothing allocated, when there is none."""
+        self.slide(seq)
         need = self.chunk(seq, n)
         if need > 0 and not self.adapters.make_room(need):
             return False
@@ -98,8 +134,9 @@ class KvPages:
 
     def drop(self, seq: Sequence) -> None:
         """Give back `seq`'s KV pages: its own are freed, cached ones lose its reference."""
-        self.allocator.free(self.prefix.release(seq.kv_pages))
+        self.allocator.free(self.prefix.release(seq.kv_pages[seq.released_pages:]))
         seq.kv_pages = []
+        seq.released_pages = 0
         seq.cached_blocks = 0
         seq.prefix_open = True
 

@@ -2,11 +2,13 @@
 batch starts from, whether it should wait for a running prefill computing the same prompt page,
 and which full pages a sequence has computed join the cache.
 
-Owns the PrefixCache (None: scheduler.prefix_cache is off). It never allocates KV pages: a
+Owns the PrefixCache (None: scheduler.prefix_cache is off, or the model's every layer slides:
+SchedulerConfig.kv_window, whose pages leave the pool as they leave the window). It never allocates KV pages: a
 sequence's own pages come from the scheduler's page accounting (kv_pages.py).
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, Iterable
 
 from loraplex.daemon.memory.allocator import PageAllocator
@@ -14,6 +16,8 @@ from loraplex.daemon.memory.prefix_cache import PrefixCache
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.lookahead import PENDING
 from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
+
+log = logging.getLogger("loraplex.daemon")
 
 
 def runs_merged(adapter: str | None, merged_adapter: str | None) -> bool:
@@ -35,7 +39,13 @@ class PrefixReuse:
                  clock: Callable[[], float]) -> None:
         self.page_tokens = page_tokens
         self.cache: PrefixCache | None = None
-        if config.prefix_cache:
+        if config.prefix_cache and config.kv_window is not None:
+            # A cached page is shared and chained: given back out of one sequence's window while a
+            # later page of the chain stays held, it would count as evictable and not be (an interior
+            # block), and keeping it held would hold the whole prompt. Pages leave windows instead.
+            log.info("prefix cache off: every attention layer of this model slides (window %d tokens), so "
+                     "pages out of a sequence's window go back to the pool instead", config.kv_window)
+        elif config.prefix_cache:
             unified = config.prefix_eviction == "unified"
             budget = None if unified else int(allocator.num_pages * config.prefix_cache_share)
             self.cache = PrefixCache(allocator, page_tokens, clock, max_pages=budget)

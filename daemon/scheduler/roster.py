@@ -37,6 +37,7 @@ class Roster:
         if seq.request_id in self.by_id:
             raise ValueError(f"request {seq.request_id!r} is already queued")
         seq.kv_pages = []
+        seq.released_pages = 0
         seq.cached_blocks = 0
         seq.prefix_open = True
         seq.num_computed = 0

@@ -50,6 +50,9 @@ class Sequence:
     # still join (a page the cache already had under another page closes the chain).
     cached_blocks: int = 0
     prefix_open: bool = True
+    # Sliding-window models (SchedulerConfig.kv_window): leading kv_pages given back to the pool as
+    # wholly out of the window; their entries are KvPages.placeholder, a page no sequence owns.
+    released_pages: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the cache at its first admission
     expected_cached: int = 0  # prompt tokens the cache held when it was queued (what policies cost)
 

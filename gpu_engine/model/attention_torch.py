@@ -37,7 +37,9 @@ class TorchPagedAttention:
         group = self.num_heads // self.num_kv_heads
         window = self.windows[layer]
         for row in batch.rows:
-            keys, values = pool.read_kv(layer, row.pages, row.context)
+            # no page before the window of the row's first query is read: it may be back in the pool
+            first_key = 0 if window is None else max(0, row.start_pos - window + 1)
+            keys, values = pool.read_kv(layer, row.pages, row.context, first_key)
             keys = keys.view(row.context, self.num_kv_heads, self.head_dim).repeat_interleave(group, dim=1)
             values = values.view(row.context, self.num_kv_heads, self.head_dim).repeat_interleave(group, dim=1)
             rows = slice(row.first, row.first + row.count)

@@ -48,6 +48,9 @@ class EngineHello(Message):
     graph_reason: str = ""  # why decode steps run eagerly ("" when graphs are on)
     tensor_parallel_size: int = 1  # rank processes the model is split over (rank 0 sent this hello)
     rank_pids: list[int] = field(default_factory=list)  # the other ranks' processes (rank 1, 2, ...)
+    # The sliding window (tokens) every attention layer shares; None where some layer sees its whole
+    # context. The daemon gives pages wholly out of it back to the pool (SchedulerConfig.kv_window).
+    kv_window: int | None = None
 
 
 @register
