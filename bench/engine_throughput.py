@@ -1,5 +1,9 @@
 """Generation throughput of the built-in demo model through the offline `LLM` API.
 
+`--family` runs the random demo of another served family at the same shape (hidden 256,
+4 layers, GQA 8/4, head_dim 32; gemma2 with its sliding windows and soft-caps), so one
+architecture's step time can be set beside Llama's.
+
 Measures output tokens/s, end-to-end seconds and (from max_tokens=1 runs) prefill
 throughput per batch size, with demo adapters mixed into the batch or not.
 Writes results to stdout only (`--json`: one JSON object); progress goes to stderr.
@@ -21,6 +25,7 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.gpu_engine.demo import ensure_demo_model
+from loraplex.gpu_engine.demo.families import FAMILIES
 
 SINGLE_ADAPTER = "all-r32"  # the demo adapter touching all seven projections
 FIRST_PROMPT_ID = 3  # skip the demo tokenizer's special ids (pad, bos, eos)
@@ -123,6 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per row (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per batch after one warm-up (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--family", default="llama", choices=FAMILIES,
+                   help="the random demo of this family at the demo's shape (default llama: the built-in demo)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
@@ -138,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    demo = ensure_demo_model()
-    log(f"loading demo model from {demo.model_dir} on {args.device}")
+    demo = ensure_demo_model(family=args.family)
+    log(f"loading the {args.family} demo model from {demo.model_dir} on {args.device}")
     llm = LLM(demo.model_dir, device=args.device, dtype=args.dtype, num_pages=args.num_pages,
               max_num_seqs=max(64, max(args.batch)))
     names = list(demo.adapters)
@@ -161,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_1m": [load_start, os.getloadavg()[0]],
         },
         "config": {
-            "model": "demo", "dtype": args.dtype, "adapters": args.adapters, "prompt_len": args.prompt_len,
+            "model": "demo", "family": args.family, "dtype": args.dtype, "adapters": args.adapters, "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens, "repeats": args.repeats, "seed": args.seed,
             "page_tokens": llm.geometry.page_tokens, "num_pages": llm.allocator.num_pages,
         },

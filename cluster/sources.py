@@ -3,6 +3,8 @@ or an S3-compatible store (s3://bucket/prefix/NAME/<file>, through boto3; the en
 from boto3's own settings, e.g. AWS_ENDPOINT_URL). Each answers, for a name, a digest of the
 adapter's current content (`digest`) and copies the files into a local directory (`fetch`).
 
+An adapter is its config and one weights file: adapter_model.safetensors, else
+adapter_model.bin (the engine loads a .bin with torch's restricted unpickler).
 Directory digests are the daemon's own content hash (daemon/adapter_hash.py), recomputed only
 when the files' sizes or times change; S3 digests hash the objects' ETags (the store's content
 hash of each object), so a replaced adapter gets a new digest either way. Blocking calls:
@@ -18,7 +20,7 @@ from typing import Protocol
 
 from loraplex.contracts.names import is_valid_name
 from loraplex.daemon.adapter_hash import adapter_content_hash, adapter_fingerprint
-from loraplex.ipc.adapter_files import ADAPTER_FILES
+from loraplex.ipc.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHT_FILES, weights_file_name
 
 MAX_ADAPTER_FILE_BYTES = 8 << 30  # one adapter file; a larger object is refused before download
 
@@ -56,7 +58,7 @@ class DirectorySource:
     def digest(self, name: str) -> str:
         path = Path(self.locate(name))
         fingerprint = adapter_fingerprint(path)
-        if len(fingerprint) != len(ADAPTER_FILES):
+        if len(fingerprint) != 2:  # the config and a weights file
             raise SourceError(f"no adapter {name!r} under {self.root}")
         with self._lock:
             known = self._hashes.get(name)
@@ -74,7 +76,7 @@ class DirectorySource:
         reads a snapshot that a later replacement cannot change under it."""
         src = Path(self.locate(name))
         dest.mkdir(parents=True, exist_ok=True)
-        for file in ADAPTER_FILES:
+        for file in (ADAPTER_CONFIG, weights_file_name(src)):
             shutil.copyfile(src / file, dest / file)
         content = adapter_content_hash(dest)
         if not content:
@@ -101,15 +103,26 @@ class S3Source:
         _check(name)
         return f"s3://{self.bucket}/{self._key(name, '')}"
 
+    def _head(self, name: str, file: str) -> dict:
+        return self._s3.head_object(Bucket=self.bucket, Key=self._key(name, file))  # type: ignore[attr-defined]
+
     def _heads(self, name: str) -> dict[str, dict]:
+        """The config's and the weights file's heads (safetensors first, else .bin), in that order."""
         _check(name)
-        heads = {}
-        for file in ADAPTER_FILES:
+        try:
+            heads = {ADAPTER_CONFIG: self._head(name, ADAPTER_CONFIG)}
+        except Exception as exc:  # botocore's ClientError (404) or a connection failure
+            raise SourceError(f"no adapter {name!r} at {self.locate(name)} ({exc})") from None
+        for file in ADAPTER_WEIGHT_FILES:
             try:
-                heads[file] = self._s3.head_object(Bucket=self.bucket, Key=self._key(name, file))  # type: ignore[attr-defined]
-            except Exception as exc:  # botocore's ClientError (404) or a connection failure
-                raise SourceError(f"no adapter {name!r} at {self.locate(name)} ({exc})") from None
-            if heads[file].get("ContentLength", 0) > MAX_ADAPTER_FILE_BYTES:
+                heads[file] = self._head(name, file)
+                break
+            except Exception as exc:
+                missing = exc
+        else:
+            raise SourceError(f"no adapter weights for {name!r} at {self.locate(name)} ({missing})") from None
+        for file, head in heads.items():
+            if head.get("ContentLength", 0) > MAX_ADAPTER_FILE_BYTES:
                 raise SourceError(f"{self._key(name, file)} is larger than {MAX_ADAPTER_FILE_BYTES} bytes")
         return heads
 
@@ -121,7 +134,7 @@ class S3Source:
         ETag its head reported, so a replacement racing the download is detected)."""
         heads = self._heads(name)
         dest.mkdir(parents=True, exist_ok=True)
-        for file in ADAPTER_FILES:
+        for file in heads:
             try:
                 body = self._s3.get_object(Bucket=self.bucket, Key=self._key(name, file),  # type: ignore[attr-defined]
                                            IfMatch=heads[file]["ETag"])["Body"]
@@ -134,7 +147,7 @@ class S3Source:
 
 def _etag_digest(heads: dict[str, dict]) -> str:
     digest = hashlib.sha256()
-    for file in ADAPTER_FILES:
+    for file in heads:  # config, then the one weights file
         digest.update(f"{file}\0{heads[file].get('ETag', '')}\0{heads[file].get('ContentLength', 0)}\0".encode())
     return digest.hexdigest()
 

@@ -66,6 +66,39 @@ def test_s3_source_digest_and_fetch(tmp_path: Path) -> None:
         open_source("gs://bucket/x")
 
 
+def _write_bin(d: Path, payload: bytes) -> Path:
+    """A .bin-only adapter (the bytes are never unpickled here: sources copy and hash them)."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / FILES[0]).write_text(json.dumps({"r": len(payload)}))
+    (d / "adapter_model.bin").write_bytes(payload)
+    return d
+
+
+def test_a_bin_only_adapter_is_found_copied_and_hashed(tmp_path: Path) -> None:
+    src = DirectorySource(tmp_path / "shared")
+    payload = os.urandom(300)
+    _write_bin(tmp_path / "shared" / "b", payload)
+    digest = src.digest("b")
+    assert src.fetch("b", tmp_path / "copy") == digest
+    assert (tmp_path / "copy" / "adapter_model.bin").read_bytes() == payload
+    assert not (tmp_path / "copy" / FILES[1]).exists()
+    moto = pytest.importorskip("moto")
+    import boto3
+
+    with moto.mock_aws():
+        s3 = boto3.client("s3", region_name="us-east-1")
+        s3.create_bucket(Bucket="bkt")
+        remote = S3Source("s3://bkt", client=s3)
+        for f in (FILES[0], "adapter_model.bin"):
+            s3.upload_file(str(tmp_path / "shared" / "b" / f), "bkt", f"b/{f}")
+        first = remote.digest("b")
+        assert remote.fetch("b", tmp_path / "got") == first
+        assert (tmp_path / "got" / "adapter_model.bin").read_bytes() == payload
+        s3.upload_file(str(tmp_path / "shared" / "b" / FILES[0]), "bkt", f"c/{FILES[0]}")
+        with pytest.raises(SourceError, match="no adapter weights"):
+            remote.digest("c")  # a config without any weights file
+
+
 def test_disk_tier_lru_within_budget(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path / "tier", capacity_bytes=3000)
 
