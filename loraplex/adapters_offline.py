@@ -35,12 +35,17 @@ class Listed(NamedTuple):
 
 
 def adapter_rank(path: str | os.PathLike[str]) -> int | None:
-    """The LoRA rank (`r`) in the adapter's adapter_config.json; None when it cannot be read."""
+    """The LoRA rank the engine serves the adapter at: the largest of `r` and its rank_pattern's
+    ranks (modules of a lower rank are padded to it) in adapter_config.json; None when it cannot be read."""
     try:
-        rank = read_adapter_config(path).get("r")
+        config = read_adapter_config(path)
     except (AdapterFileError, OSError):
         return None
-    return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank > 0 else None
+    pattern = config.get("rank_pattern")
+    ranks = [config.get("r"), *(pattern.values() if isinstance(pattern, dict) else ())]
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r > 0 for r in ranks):
+        return None
+    return max(ranks)
 
 
 def offline_adapters(records: Iterable[Registered], demo: dict[str, Path]) -> list[Listed]:
