@@ -135,3 +135,29 @@ def test_slide_frees_whole_pages_behind_the_window_and_drop_skips_placeholders()
     kv.check_pool(req)
     with pytest.raises(ValueError, match="kv_window"):
         SchedulerConfig(kv_window=0)
+
+
+@pytest.mark.slow
+def test_a_daemon_serves_four_windows_holding_one_window_in_stats(model, tmp_path: Path) -> None:
+    """Through `loraplex serve`: the engine reports the window in its hello, and `loraplex stats`
+    (pool.kv: pages held by sequences) never shows more than a window and a page while a
+    sequence 4 windows long streams; its tokens equal transformers + PEFT."""
+    from tests.daemon_process import DaemonProcess
+
+    model_dir, adapter_dir, config = model
+    proc = DaemonProcess(tmp_path, "--model", str(model_dir), "--num-pages", "64",
+                         env={"LORAPLEX_MODEL_PAGE_TOKENS": str(PAGE)}).start()
+    try:
+        with proc.client() as client, proc.client() as watcher:
+            prompt = _prompt(WINDOW - 4, config["vocab_size"])
+            new = 4 * WINDOW - len(prompt)
+            seen = []
+            with client.stream(prompt, max_tokens=new, temperature=0.0, ignore_eos=True, timeout=120) as stream:
+                for _ in stream:
+                    seen.append(watcher.stats()["pool"]["kv"])
+                tokens = stream.finished_result().token_ids
+        assert tokens == greedy(model_dir, None, prompt, new)[0]
+        assert len(seen) >= new // 2 and 0 < max(seen) <= WINDOW // PAGE + 1, seen
+        assert "prefix cache off" in proc.log()
+    finally:
+        assert proc.stop() == 0, proc.log()
