@@ -309,3 +309,71 @@ def test_tp_refused_for_fused_families():
         TensorParallelPlan.for_model(cfg, 2)
     gpt2 = ModelConfig.from_hf({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512})
     assert gpt2.tp_blocker() is not None and TensorParallelPlan.for_model(gpt2, 1).full_shapes()["qkv_proj"] == (64, 192)
+
+
+def test_cpu_assist_refused_for_fused_projections(tmp_path):
+    """The CPU workers' exchange has slots for Llama's modules only: a fused family is served
+    on_demand under adapter_load_mode=auto, and an explicit cpu_assist is a ConfigError naming it."""
+    from loraplex.contracts.engine_spec import EngineSpec
+    from loraplex.contracts.settings import ConfigError
+    from loraplex.gpu_engine.demo import family_config, write_random_checkpoint
+    from loraplex.gpu_engine.runtime import resolve_spec
+
+    write_random_checkpoint(tmp_path, family_config("phi3"), seed=1)
+    with pytest.raises(ConfigError, match="qkv_proj"):
+        resolve_spec(EngineSpec(model=str(tmp_path), device="cpu", adapter_load_mode="cpu_assist"))
+    assert resolve_spec(EngineSpec(model=str(tmp_path), device="cpu")).adapter_load_mode == "on_demand"
+
+
+_TRITON_SCRIPT = """
+import sys, tempfile
+from pathlib import Path
+import torch
+from loraplex import LLM, SamplingParams
+from loraplex.gpu_engine.demo import family_config, write_random_adapter, write_random_checkpoint
+from loraplex.gpu_engine.demo.model import family_targets
+
+family = sys.argv[1]
+root = Path(tempfile.mkdtemp())
+config = family_config(family, **({"sliding_window": 8} if family in ("gemma2", "gemma3_text") else {}))
+write_random_checkpoint(root / "m", config, seed=5)
+targets = family_targets(config, ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+write_random_adapter(root / "a", config, rank=5, alpha=10.0, target_modules=targets, seed=6)
+g = torch.Generator().manual_seed(7)
+prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (19, 6)]
+params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True)
+outs = {}
+for backend in ("torch", "triton"):
+    llm = LLM(root / "m", lora_backend=backend, page_tokens=8, num_pages=96, dtype="float32")
+    llm.add_adapter("a", root / "a")
+    outs[backend] = llm.generate(prompts, adapters=["a", None], sampling=params)
+for a, b in zip(outs["torch"], outs["triton"]):
+    assert a.token_ids == b.token_ids, (family, a.token_ids, b.token_ids)
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4, family
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3_text", "phi3", "phi", "gpt2"])
+def test_triton_interpreter_equals_torch_backend(family):
+    """The Triton LoRA and paged-attention kernels (interpreted on CPU) over each family's forward:
+    fused modules, soft-caps, per-layer windows, partial rotary, learned positions."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT, family], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_gemma3_legacy_rope_fields():
+    """Hub-era Gemma 3 configs: rope_theta and rope_local_base_freq at the top, a flat rope_scaling
+    that scales the global layers only."""
+    cfg = ModelConfig.from_hf({"model_type": "gemma3_text", **TINY, "head_dim": 16, "rope_theta": 1e6,
+                               "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                               "sliding_window": 16, "sliding_window_pattern": 2})
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling.factor) == (1e6, 1e4, 8.0)
+    assert cfg.layer_windows == (16, None)

@@ -175,8 +175,9 @@ def rope_params(raw: dict[str, Any], layer_type: str | None) -> dict[str, Any]:
     if params is None:
         params = raw.get("rope_parameters")
     params = dict(params or {})
-    if layer_type is not None and isinstance(params.get(layer_type), dict):
-        params = dict(params[layer_type])
-    elif layer_type is not None and ("full_attention" in params or "sliding_attention" in params):
-        params = {}
-    return params
+    if layer_type is None:
+        return params
+    if "full_attention" in params or "sliding_attention" in params:
+        return dict(params.get(layer_type) or {})
+    # a legacy flat rope_scaling scales the global layers only (transformers' Gemma 3 config)
+    return params if layer_type == "full_attention" else {}
