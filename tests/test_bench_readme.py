@@ -50,6 +50,8 @@ SLOW = {  # full-size runs: minutes
     "bench/prefix_cache.py --json",
     "bench/tp_comm.py --json",
     "bench/kernel_compile.py --json",
+    "bench/adapter_census.py --json",  # ~3-5 min; tests/test_adapter_census.py runs 4 rows
+    "bench/adapter_census.py --only qwen2 --limit 5",
 }
 ELSEWHERE = {  # a GPU, results of a GPU run, or a library installed by hand are needed
     "bench/grammar_mask.py --json",  # llguidance, the library xgrammar is compared with
