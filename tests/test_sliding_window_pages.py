@@ -128,8 +128,11 @@ def test_slide_frees_whole_pages_behind_the_window_and_drop_skips_placeholders()
     assert kv.slide(seq) == 2
     assert seq.kv_pages == [kv.placeholder] * 3 + pages[3:] and kv.held_pages(seq) == 3
     assert alloc.num_free == 32 - 3 and kv.placeholder == alloc.num_pages  # no allocator page
+    seq.num_computed = 26  # overlap: 6 of them fed by launched steps whose results have not come
+    assert kv.slide(seq, unsettled=6) == 0  # the window is taken from 20, where a failed step resumes
+    assert kv.slide(seq) == 1
     kv.drop(seq)
-    assert alloc.num_free == 32 and seq.released_pages == 0 and kv.released == 3
+    assert alloc.num_free == 32 and seq.released_pages == 0 and kv.released == 4
     # a request far longer than the pool fits: it holds a window and a chunk at most
     assert kv.worst(req) == -(-(8 - 1 + 8) // PAGE) + 1 < 32 < -(-(len(req.prompt_ids) + 400) // PAGE)
     kv.check_pool(req)
@@ -138,15 +141,17 @@ def test_slide_frees_whole_pages_behind_the_window_and_drop_skips_placeholders()
 
 
 @pytest.mark.slow
-def test_a_daemon_serves_four_windows_holding_one_window_in_stats(model, tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_daemon_serves_four_windows_holding_one_window_in_stats(model, tmp_path: Path, overlap: bool) -> None:
     """Through `loraplex serve`: the engine reports the window in its hello, and `loraplex stats`
-    (pool.kv: pages held by sequences) never shows more than a window and a page while a
-    sequence 4 windows long streams; its tokens equal transformers + PEFT."""
+    (pool.kv: pages held by sequences) never shows more than a window and a page (one more with a
+    step launched ahead) while a sequence 4 windows long streams; its tokens equal transformers."""
     from tests.daemon_process import DaemonProcess
 
     model_dir, adapter_dir, config = model
     proc = DaemonProcess(tmp_path, "--model", str(model_dir), "--num-pages", "64",
-                         env={"LORAPLEX_MODEL_PAGE_TOKENS": str(PAGE)}).start()
+                         env={"LORAPLEX_MODEL_PAGE_TOKENS": str(PAGE),
+                              "LORAPLEX_SCHEDULER_OVERLAP": str(overlap).lower()}).start()
     try:
         with proc.client() as client, proc.client() as watcher:
             prompt = _prompt(WINDOW - 4, config["vocab_size"])
@@ -157,7 +162,23 @@ def test_a_daemon_serves_four_windows_holding_one_window_in_stats(model, tmp_pat
                     seen.append(watcher.stats()["pool"]["kv"])
                 tokens = stream.finished_result().token_ids
         assert tokens == greedy(model_dir, None, prompt, new)[0]
-        assert len(seen) >= new // 2 and 0 < max(seen) <= WINDOW // PAGE + 1, seen
+        assert len(seen) >= new // 2 and 0 < max(seen) <= WINDOW // PAGE + 1 + overlap, seen
         assert "prefix cache off" in proc.log()
     finally:
         assert proc.stop() == 0, proc.log()
+
+
+def test_launched_steps_count_the_tokens_they_assumed_computed() -> None:
+    from loraplex.daemon.scheduler.lookahead import LaunchedSteps
+    from loraplex.daemon.scheduler.sequence import SeqRequest, SeqStatus
+    from loraplex.ipc.engine_plan import RowPlan, SamplingSpec, StepPlan
+
+    seqs = {name: Sequence(SeqRequest(name, [5, 6, 7], None, SamplingSpec(), 8), status=SeqStatus.RUNNING)
+            for name in ("a", "b")}
+    steps = LaunchedSteps()
+    for step_id, fed in enumerate(({"a": 3, "b": 2}, {"a": 1})):
+        rows = [RowPlan(name, [5] * n, 0, [], None, False, SamplingSpec()) for name, n in fed.items()]
+        steps.launch(StepPlan(step_id, rows), fed, seqs)
+    assert steps.unsettled(seqs["a"]) == 4 and steps.unsettled(seqs["b"]) == 2
+    seqs["b"].num_preemptions += 1  # preempted since: what it launched before is not its KV any more
+    assert steps.unsettled(seqs["b"]) == 0

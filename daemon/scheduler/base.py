@@ -297,7 +297,7 @@ class BaseScheduler(ABC):
     def _grow_kv(self, seq: Sequence, n: int) -> bool:
         """Give running `seq` the KV pages its next `n` tokens lack, preempting the newest running
         sequences until there is room; False when `seq` itself had to go."""
-        self.kv.slide(seq)
+        self.kv.slide(seq, self.inflight.launched.unsettled(seq))
         need = self.kv.chunk(seq, n)
         while need > 0 and not self.adapters.make_room(need):
             victim = self.running[-1]

@@ -47,16 +47,20 @@ class KvPages:
         # keys from p0 - window + 1 (rounded down to a page start) through the chunk's last, p0 + n - 1
         return min(pages, self.geometry.kv_pages_for(window - 1 + self.config.max_batched_tokens) + 1)
 
-    def slide(self, seq: Sequence) -> int:
+    def slide(self, seq: Sequence, unsettled: int = 0) -> int:
         """Give back the leading pages of `seq` wholly before the window of its next token (at
         position num_computed, which attends to keys from num_computed - window + 1 on: neither
         kernel nor the torch path reads an earlier one); returns how many. They are freed (with a
         window the prefix cache is off, so none is shared); the table keeps the placeholder in
-        their place, so positions still index it."""
+        their place, so positions still index it. `unsettled`: its tokens that launched steps
+        (scheduler.overlap) count as computed: the window is taken from before them, since those
+        steps may still read older keys and a failed one is planned again from there. Admission
+        needs no call: a sequence enters with nothing computed (the prefix cache is off)."""
         window = self.config.kv_window
         if window is None:
             return 0
-        out = min(max(0, seq.num_computed - window + 1) // self.geometry.page_tokens, len(seq.kv_pages))
+        settled = seq.num_computed - unsettled
+        out = min(max(0, settled - window + 1) // self.geometry.page_tokens, len(seq.kv_pages))
         first = seq.released_pages
         if out <= first:
             return 0
@@ -120,7 +124,6 @@ class KvPages:
     def grow(self, seq: Sequence, n: int) -> bool:
         """Give `seq` the KV pages its next `n` tokens lack, making room by evicting what nobody
         holds (idle adapters, cached prefixes); False, and nothing allocated, when there is none."""
-        self.slide(seq)
         need = self.chunk(seq, n)
         if need > 0 and not self.adapters.make_room(need):
             return False

@@ -63,6 +63,12 @@ class LaunchedSteps:
             rows.append((seq, n, index, seq.num_preemptions))
         self._queue.append(_Launched(plan, rows))
 
+    def unsettled(self, seq: Sequence) -> int:
+        """Tokens of `seq` that launched plans count as computed before their results came (a
+        rollback takes them back; their steps may still be reading its KV)."""
+        return sum(n for launched in self._queue for s, n, _, preemptions in launched.rows
+                   if s is seq and preemptions == seq.num_preemptions)
+
     def take(self, plan: StepPlan) -> list[tuple[Sequence, int, int]]:
         """The oldest launched plan, whose result came: (sequence, output index, its preemptions
         when launched) per sampling row."""
