@@ -333,9 +333,12 @@ from loraplex import LLM, SamplingParams
 from loraplex.gpu_engine.demo import family_config, write_random_adapter, write_random_checkpoint
 from loraplex.gpu_engine.demo.model import family_targets
 
-family = sys.argv[1]
+family, head_dim = sys.argv[1], int(sys.argv[2])
 root = Path(tempfile.mkdtemp())
-config = family_config(family, **({"sliding_window": 8} if family in ("gemma2", "gemma3_text") else {}))
+overrides = {"sliding_window": 8} if family in ("gemma2", "gemma3_text") else {}
+if head_dim:
+    overrides["head_dim"] = head_dim
+config = family_config(family, **overrides)
 write_random_checkpoint(root / "m", config, seed=5)
 targets = family_targets(config, ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 write_random_adapter(root / "a", config, rank=5, alpha=10.0, target_modules=targets, seed=6)
@@ -355,17 +358,18 @@ print("ok")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3_text", "phi3", "phi", "gpt2"])
-def test_triton_interpreter_equals_torch_backend(family):
+@pytest.mark.parametrize("family,head_dim", [("qwen3", 0), ("gemma2", 0), ("gemma2", 256), ("gemma3_text", 0),
+                                             ("phi3", 0), ("phi", 0), ("gpt2", 0)])
+def test_triton_interpreter_equals_torch_backend(family, head_dim):
     """The Triton LoRA and paged-attention kernels (interpreted on CPU) over each family's forward:
-    fused modules, soft-caps, per-layer windows, partial rotary, learned positions."""
+    fused modules, soft-caps, per-layer windows, head_dim 256, partial rotary, learned positions."""
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT, family], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=Path(__file__).parent.parent)
+    done = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT, family, str(head_dim)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 

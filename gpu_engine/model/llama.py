@@ -41,6 +41,10 @@ class LlamaModel:
         # Gemma 3's sliding layers rotate with their own base; every other model shares one table.
         self.local_rotary = Rotary(cfg, device, local=True) if cfg.local_rope_theta is not None else None
         self.attention = attention or TorchPagedAttention.for_config(cfg)
+        # Gemma's sqrt(hidden) in the model dtype, as transformers rounds it; made once (never inside
+        # a CUDA-graph capture)
+        self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=weights.embed.dtype, device=device) \
+            if cfg.embed_scaled else None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: UnifiedPool) -> torch.Tensor:
@@ -48,8 +52,8 @@ class LlamaModel:
         batch.score_tokens in batch.scored_hidden)."""
         cfg = self.cfg
         h = self._embed(batch.token_ids)  # [T, hidden]
-        if cfg.embed_scaled:  # in the model dtype, as transformers does
-            h = h * torch.tensor(math.sqrt(cfg.hidden_size), dtype=h.dtype, device=h.device)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         if self.w.pos_embed is not None:
             h = h + F.embedding(batch.positions, self.w.pos_embed)
         tables = self._rope_tables(batch, h.dtype)
@@ -95,7 +99,8 @@ class LlamaModel:
 
     def _rope_tables(self, batch: ForwardBatch, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ends = None
-        if self.rotary.long_from is not None and batch.rows:  # longrope picks its factors per row
+        # longrope picks its factors per row (a decode graph's rows are one token each: per token is the same)
+        if self.rotary.long_from is not None and batch.rows and batch.decode_rows is None:
             counts = torch.tensor([r.count for r in batch.rows], device=batch.positions.device)
             row_ends = torch.tensor([r.start_pos + r.count for r in batch.rows], device=batch.positions.device)
             ends = torch.repeat_interleave(row_ends, counts)
