@@ -215,12 +215,8 @@ def test_gemma1(tmp_path):
 
 
 def test_phi_parallel_partial_rotary(tmp_path):
-    config = transformers.PhiConfig(**TINY, partial_rotary_factor=0.5)
-    adapters = {"qd3": dict(r=3, lora_alpha=6, target_modules=["q_proj", "dense"]),
-                "all5": dict(r=5, lora_alpha=4, use_rslora=True,
-                             target_modules=["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"])}
-    model_dir, adapters = _build(tmp_path, config, adapters)
-    _check(model_dir, adapters, [30, 9, 21, 17], ["qd3", None, "all5", "all5"])
+    model_dir, adapters = _phi(tmp_path)
+    _check(model_dir, adapters, [30, 9, 21, 17], ["qv3", None, "all5", "mlp7"])
 
 
 def test_qwen2_sliding_window_layers(tmp_path):
@@ -282,11 +278,21 @@ def test_merged_mode_equals_unmerged(tmp_path, build):
     assert all(torch.equal(w.layers[i].proj[m], t) for (i, m), t in before.items())
 
 
+def _phi(root: Path):
+    config = transformers.PhiConfig(**TINY, partial_rotary_factor=0.5)
+    adapters = {"qv3": dict(r=3, lora_alpha=6, target_modules=["q_proj", "dense"]),
+                "all5": dict(r=5, lora_alpha=4, use_rslora=True,
+                             target_modules=["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"]),
+                "mlp7": dict(r=7, lora_alpha=7, target_modules=["fc1", "fc2"])}
+    return _build(root, config, adapters)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("build", [_qwen3, _gemma2], ids=["qwen3", "gemma2"])
+@pytest.mark.parametrize("build", [_qwen3, _gemma2, _phi], ids=["qwen3", "gemma2", "phi"])
 def test_tp2_equals_single_device(tmp_path, build):
-    """Families whose heads split run tensor-parallel: q/k norms and Gemma's extra norms stay whole
-    on every rank, the final soft-cap applies to the gathered logits."""
+    """Families whose heads split run tensor-parallel: q/k norms, Gemma's extra norms and LayerNorm
+    biases stay whole on every rank, Phi's LM head bias splits with the vocabulary, the final
+    soft-cap applies to the gathered logits."""
     from tests.tp_support import Case, single_device_run, spawn_ranks
 
     model_dir, adapters = build(tmp_path)

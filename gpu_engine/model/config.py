@@ -183,8 +183,8 @@ class ModelConfig:
         if self.fused_qkv or self.fused_gate_up:
             return (f"{self.model_type}: fused qkv_proj/gate_up_proj are not split per rank yet; "
                     "serve it with tensor_parallel_size=1")
-        if self.lm_head_bias or self.learned_positions:
-            return f"{self.model_type}: an LM head bias or learned positions are not split per rank yet; " \
+        if self.learned_positions:
+            return f"{self.model_type}: learned positions are not split per rank yet; " \
                    "serve it with tensor_parallel_size=1"
         return None
 

@@ -28,8 +28,9 @@ from loraplex.gpu_engine.tp.lora import expand_gathered, expand_reduced, shrink,
 from loraplex.gpu_engine.tp.partition import rank_config
 
 # The column-parallel projections that share an input, keyed by the first one the forward runs:
-# their x·A shards travel in one all-gather.
+# their x·A shards travel in one all-gather (an MLP without a gate: up_proj alone).
 SITES = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj")}
+UNGATED_SITES = {"q_proj": ("q_proj", "k_proj", "v_proj"), "up_proj": ("up_proj",)}
 
 
 class TpLlamaModel(LlamaModel):
@@ -45,6 +46,7 @@ class TpLlamaModel(LlamaModel):
         out_slice = cfg.hidden_size // plan.world_size
         self.out_cols = slice(comm.rank * out_slice, (comm.rank + 1) * out_slice)  # of a row-parallel output
         self._gathered: dict[str, torch.Tensor] = {}  # x·A gathered for the projections still to run
+        self.sites = SITES if cfg.gated_mlp else UNGATED_SITES
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         local = token_ids - self.vocab_start
@@ -55,7 +57,8 @@ class TpLlamaModel(LlamaModel):
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor | None:
         # gathered in the model's dtype (half the bytes of float32 under bf16), widened afterwards: the same values
-        logits = self.comm.gather_last(F.linear(last, self.w.lm_head), "lm_head")
+        # the bias is this rank's vocabulary slice too (zeros on the padding, dropped below)
+        logits = self.comm.gather_last(F.linear(last, self.w.lm_head, self.w.lm_head_bias), "lm_head")
         return None if logits is None else logits[:, : self.full_vocab].float()
 
     def _gather_site(self, modules: tuple[str, ...], x: torch.Tensor, flat: torch.Tensor,
@@ -80,8 +83,8 @@ class TpLlamaModel(LlamaModel):
         lora = targeting(groups, name)
         if name in COLUMN_PARALLEL:
             out = F.linear(x, layer.proj[name], layer.bias.get(name))  # [T, out/N]
-            if name in SITES:
-                self._gather_site(SITES[name], x, flat, groups)
+            if name in self.sites:
+                self._gather_site(self.sites[name], x, flat, groups)
             if lora:
                 gathered = self._gathered.pop(name, None)
                 if gathered is None:

@@ -94,7 +94,9 @@ def shard_weights(weights: ModelWeights, plan: TensorParallelPlan, rank: int) ->
     embed = _take(weights.embed, "embed_tokens", "weight", plan, rank)
     lm_head = embed if weights.lm_head is weights.embed else _take(weights.lm_head, "lm_head", "weight", plan, rank)
     return ModelWeights(embed=embed, layers=layers, norm=_take(weights.norm, "norm", "weight", plan, rank),
-                        lm_head=lm_head, norm_bias=weights.norm_bias)
+                        lm_head=lm_head, norm_bias=weights.norm_bias,
+                        lm_head_bias=None if weights.lm_head_bias is None
+                        else _take(weights.lm_head_bias, "lm_head", "bias", plan, rank))
 
 
 def rank_selector(plan: TensorParallelPlan, rank: int) -> Selector:
