@@ -387,3 +387,37 @@ def test_gemma3_legacy_rope_fields():
                                "sliding_window": 16, "sliding_window_pattern": 2})
     assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling.factor) == (1e6, 1e4, 8.0)
     assert cfg.layer_windows == (16, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "phi"])
+def test_daemon_cpu_assist_serves_the_offline_tokens(tmp_path, family):
+    """Through a daemon, with CPU workers computing the early layers' LoRA while a throttled load
+    streams in (the CPU-assist hooks around Gemma 2's sandwich norms, Phi's parallel residual):
+    the offline API's tokens."""
+    from loraplex.gpu_engine.demo import ensure_demo_model
+    from tests.daemon_process import DaemonProcess
+
+    demo = ensure_demo_model(tmp_path / "demo", family=family)
+    names = ["all-r32", "mlp-r64", None, "qv-r8"]
+    g = torch.Generator().manual_seed(17)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() * 3 for n in (20, 33, 9, 41)]
+    llm = LLM(demo.model_dir, num_pages=600)
+    for name in set(names) - {None}:
+        llm.add_adapter(name, demo.adapters[name])
+    expected = llm.generate(prompts, adapters=names, sampling=SamplingParams(max_tokens=6, temperature=0.0,
+                                                                              ignore_eos=True))
+    adapters = [arg for name in set(names) - {None} for arg in ("--adapter", f"{name}={demo.adapters[name]}")]
+    (tmp_path / "d").mkdir()
+    proc = DaemonProcess(tmp_path / "d", "--model", str(demo.model_dir), "--adapter-load-mode", "cpu_assist",
+                         "--cpu-workers", "2", *adapters, env={"LORAPLEX_MODEL_LOAD_THROTTLE_BYTES_S": "3e6"})
+    proc.start()
+    try:
+        with proc.client() as client:
+            got = [client.generate(p, adapter=a, max_tokens=6, temperature=0.0, ignore_eos=True, timeout=120)
+                   for p, a in zip(prompts, names)]
+            stats = client.stats()
+    finally:
+        assert proc.stop() == 0, proc.log()
+    assert [r.token_ids for r in got] == [e.token_ids for e in expected]
+    assert "cpu_assisted" in [r.timings["adapter_path"] for r in got], stats.get("cpu_assist")
