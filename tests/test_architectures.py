@@ -421,3 +421,12 @@ def test_daemon_cpu_assist_serves_the_offline_tokens(tmp_path, family):
         assert proc.stop() == 0, proc.log()
     assert [r.token_ids for r in got] == [e.token_ids for e in expected]
     assert "cpu_assisted" in [r.timings["adapter_path"] for r in got], stats.get("cpu_assist")
+
+
+def test_gemma1_reads_hidden_act_and_its_legacy_gelu():
+    """transformers' Gemma 1 takes hidden_act (a legacy "gelu" meaning the tanh GeLU); Gemma 2/3 take
+    hidden_activation; an activation the engine lacks is refused by name."""
+    assert ModelConfig.from_hf({"model_type": "gemma", **TINY, "hidden_act": "gelu",
+                                "hidden_activation": None}).activation == "gelu_tanh"
+    with pytest.raises(UnsupportedModelError, match="hidden_activation"):
+        ModelConfig.from_hf({"model_type": "gemma2", **TINY, "hidden_activation": "relu"})

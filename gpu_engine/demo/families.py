@@ -34,7 +34,8 @@ def family_config(family: str, **overrides: Any) -> dict[str, Any]:
                    head_dim=base.get("head_dim", 16), rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
                    attention_bias=False, use_sliding_window=False, sliding_window=None, max_window_layers=28)
     elif family in ("gemma", "gemma2", "gemma3_text"):
-        cfg = dict(base, model_type=family, hidden_activation="gelu_pytorch_tanh", head_dim=base.get("head_dim", 16),
+        cfg = dict(base, model_type=family, hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+                   head_dim=base.get("head_dim", 16),
                    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, attention_bias=False,
                    architectures=[{"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                                    "gemma3_text": "Gemma3ForCausalLM"}[family]])

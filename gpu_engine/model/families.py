@@ -136,8 +136,9 @@ def facts(raw: dict[str, Any], model_type: str, head_dim: int) -> dict[str, Any]
         _refuse_if(raw, "hidden_act", lambda v: v not in (None, "silu"), "only hidden_act 'silu' is supported")
         f["qk_norm"] = model_type == "qwen3"
     elif model_type in GEMMA:
-        if model_type == "gemma":
-            f["activation"] = _activation(raw, "hidden_activation", raw.get("hidden_act") or "gelu_pytorch_tanh")
+        if model_type == "gemma":  # Gemma 1 reads hidden_act; its legacy "gelu" means the tanh GeLU
+            f["activation"] = "gelu_tanh" if raw.get("hidden_act") == "gelu" else \
+                _activation(raw, "hidden_act", "gelu_pytorch_tanh")
         else:
             f["activation"] = _activation(raw, "hidden_activation", "gelu_pytorch_tanh")
         f.update(norm="rms1p", embed_scaled=True, tie_default=True)
