@@ -208,6 +208,25 @@ def test_gpt2_conv1d(tmp_path):
     _check(model_dir, adapters, [30, 9, 21, 17], ["attn3", None, "all5", "all5"])
 
 
+def test_gpt2_bare_model_keys(tmp_path):
+    """The original gpt2 files name tensors as the bare GPT2Model does (h.0.attn.c_attn.weight, wte,
+    with the causal-mask buffers h.N.attn.bias): the same weights as the prefixed layout."""
+    from safetensors.torch import load_file, save_file
+
+    from loraplex.gpu_engine.model.weights import load_weights
+
+    config = transformers.GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+    model_dir, _ = _build(tmp_path, config, {})
+    cfg = ModelConfig.from_dir(model_dir)
+    want = load_weights(model_dir, cfg, device=torch.device("cpu"), dtype=torch.float32)
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(model_dir / "model.safetensors").items()}
+    tensors.update({f"h.{i}.attn.bias": torch.ones(1, 1, 128, 128).tril() for i in range(2)})
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    got = load_weights(model_dir, cfg, device=torch.device("cpu"), dtype=torch.float32)
+    assert torch.equal(got.pos_embed, want.pos_embed) and torch.equal(got.embed, want.embed)
+    assert all(torch.equal(g.proj[m], w.proj[m]) for g, w in zip(got.layers, want.layers) for m in g.proj)
+
+
 def test_gemma1(tmp_path):
     config = transformers.GemmaConfig(**TINY, head_dim=16)
     model_dir, adapters = _build(tmp_path, config, LLAMA_TARGETS, one_plus=True)

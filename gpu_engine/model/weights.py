@@ -128,7 +128,11 @@ def _has_bias(cfg: ModelConfig, name: str) -> bool:
 
 
 def _canonical_key(cfg: ModelConfig, key: str) -> str:
-    """A Gemma 3 checkpoint's key in the live model's names (the layout transformers saves is older)."""
+    """A Gemma 3 checkpoint's key in the live model's names (the layout transformers saves is older);
+    a GPT-2 checkpoint saved from the bare GPT2Model (the original `gpt2` files: h.0..., wte) under
+    the transformer. prefix GPT2LMHeadModel gives them."""
+    if cfg.model_type == "gpt2" and not key.startswith(("transformer.", "lm_head.")):
+        return "transformer." + key
     if cfg.skipped_prefixes:
         for old, new in GEMMA3_KEY_RENAMES:
             if key.startswith(old):
