@@ -307,17 +307,18 @@ def _phi(root: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("build", [_qwen3, _gemma2, _phi], ids=["qwen3", "gemma2", "phi"])
+@pytest.mark.parametrize("build", [_qwen3, _gemma2, _phi, _phi3], ids=["qwen3", "gemma2", "phi", "phi3-fused"])
 def test_tp2_equals_single_device(tmp_path, build):
     """Families whose heads split run tensor-parallel: q/k norms, Gemma's extra norms and LayerNorm
     biases stay whole on every rank, Phi's LM head bias splits with the vocabulary, the final
-    soft-cap applies to the gathered logits."""
+    soft-cap applies to the gathered logits; Phi-3's fused qkv_proj / gate_up_proj split part by part
+    (each rank its q, k, v heads and its gate and up columns, and the same rows of LoRA B)."""
     from tests.tp_support import Case, single_device_run, spawn_ranks
 
     model_dir, adapters = build(tmp_path)
     prompts = _prompts(5, [9, 30, 17, 22], 512)
     case = Case(model_dir=str(model_dir), adapters={n: str(p) for n, p in adapters.items()}, prompts=prompts,
-                names=["all5", None, "mlp7", "qv3"], new_tokens=3, page_tokens=8)
+                names=["all5", None, "mlp7", next(iter(adapters))], new_tokens=3, page_tokens=8)
     out = tmp_path / "out"
     out.mkdir()
     result = spawn_ranks(2, case, out)
@@ -326,14 +327,20 @@ def test_tp2_equals_single_device(tmp_path, build):
     assert (result["logits"] - logits).abs().max().item() < 1e-4
 
 
-def test_tp_refused_for_fused_families():
+def test_tp_splits_fused_parts_and_refuses_conv1d():
     from loraplex.contracts.tensor_parallel import TensorParallelPlan
+    from loraplex.gpu_engine.tp.partition import rank_slice
 
     cfg = ModelConfig.from_hf({"model_type": "phi3", **TINY})
-    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        TensorParallelPlan.for_model(cfg, 2)
+    plan = TensorParallelPlan.for_model(cfg, 2)
+    assert plan.fused_parts("qkv_proj") == (64, 32, 32) and plan.shard_shapes()["gate_up_proj"] == (64, 96)
+    full = torch.arange(128.0)[:, None]
+    rows = rank_slice("qkv_proj", "weight", (128, 1), plan, 1).take(full)[:, 0].tolist()
+    assert rows == list(range(32, 64)) + list(range(80, 96)) + list(range(112, 128))  # its q, k and v heads
     gpt2 = ModelConfig.from_hf({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512})
-    assert gpt2.tp_blocker() is not None and TensorParallelPlan.for_model(gpt2, 1).full_shapes()["qkv_proj"] == (64, 192)
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        TensorParallelPlan.for_model(gpt2, 2)
+    assert TensorParallelPlan.for_model(gpt2, 1).full_shapes()["qkv_proj"] == (64, 192)
 
 
 def test_cpu_assist_refused_for_fused_projections(tmp_path):
@@ -449,3 +456,27 @@ def test_gemma1_reads_hidden_act_and_its_legacy_gelu():
                                 "hidden_activation": None}).activation == "gelu_tanh"
     with pytest.raises(UnsupportedModelError, match="hidden_activation"):
         ModelConfig.from_hf({"model_type": "gemma2", **TINY, "hidden_activation": "relu"})
+
+
+def test_tp_merged_slices_of_fused_modules():
+    """dLoRA merged mode on a rank: s·B·A of its merge slices is its rows (weight shard) of the whole
+    delta, fused qkv_proj / gate_up_proj part by part."""
+    from pathlib import Path as _Path
+
+    from loraplex.contracts.tensor_parallel import TensorParallelPlan
+    from loraplex.gpu_engine.lora.peft_adapter import AdapterSpec, HostAdapter
+    from loraplex.gpu_engine.tp.partition import merge_slices, rank_slice
+
+    cfg = ModelConfig.from_hf({"model_type": "phi3", **TINY})
+    plan = TensorParallelPlan.for_model(cfg, 2)
+    g = torch.Generator().manual_seed(0)
+    shapes = cfg.module_shapes()
+    a = [{m: torch.randn(3, fi, generator=g) for m, (fi, fo) in shapes.items()}]
+    b = [{m: torch.randn(fo, 3, generator=g) for m, (fi, fo) in shapes.items()}]
+    adapter = HostAdapter(name="x", path=_Path("."), spec=AdapterSpec(3, 3.0, False, tuple(shapes)), a=a, b=b)
+    for rank in range(2):
+        part = merge_slices(adapter, plan, rank)
+        for m, (fi, fo) in shapes.items():
+            full = b[0][m] @ a[0][m]  # [out, in]
+            want = rank_slice(m, "weight", (fo, fi), plan, rank).take(full)
+            torch.testing.assert_close(part.b[0][m] @ part.a[0][m], want)

@@ -180,11 +180,8 @@ class ModelConfig:
 
     def tp_blocker(self) -> str | None:
         """Why this model cannot run tensor-parallel (None: it can, where its head counts split)."""
-        if self.fused_qkv or self.fused_gate_up:
-            return (f"{self.model_type}: fused qkv_proj/gate_up_proj are not split per rank yet; "
-                    "serve it with tensor_parallel_size=1")
-        if self.learned_positions:
-            return f"{self.model_type}: learned positions are not split per rank yet; " \
+        if self.conv1d or self.learned_positions:
+            return f"{self.model_type}: Conv1D weights and learned positions are not split per rank yet; " \
                    "serve it with tensor_parallel_size=1"
         return None
 

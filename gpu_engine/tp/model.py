@@ -47,6 +47,8 @@ class TpLlamaModel(LlamaModel):
         self.out_cols = slice(comm.rank * out_slice, (comm.rank + 1) * out_slice)  # of a row-parallel output
         self._gathered: dict[str, torch.Tensor] = {}  # x·A gathered for the projections still to run
         self.sites = SITES if cfg.gated_mlp else UNGATED_SITES
+        if cfg.fused_qkv or cfg.fused_gate_up:  # a fused module is the only projection of its input
+            self.sites = {m: (m,) for m in cfg.module_shapes() if m in COLUMN_PARALLEL}
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         local = token_ids - self.vocab_start

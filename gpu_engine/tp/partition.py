@@ -56,7 +56,28 @@ class RankSlice:
         return part.contiguous()
 
 
-def rank_slice(module: str, param: str, shape: tuple[int, ...], plan: TensorParallelPlan, rank: int) -> RankSlice:
+@dataclass(frozen=True, slots=True)
+class FusedSlice:
+    """A fused column-parallel tensor's part for one rank: its slice of each fused projection along
+    dim 0 (Phi-3's qkv_proj: its q heads, then its k and v heads), concatenated."""
+
+    parts: tuple[RankSlice, ...]
+
+    def take(self, full) -> torch.Tensor:
+        return torch.cat([p.take(full) for p in self.parts], dim=0)
+
+
+def _fused(parts: tuple[int, ...], rank: int, n: int) -> FusedSlice:
+    slices, offset = [], 0
+    for size in parts:
+        step = size // n
+        slices.append(RankSlice(0, offset + rank * step, offset + (rank + 1) * step, step))
+        offset += size
+    return FusedSlice(tuple(slices))
+
+
+def rank_slice(module: str, param: str, shape: tuple[int, ...], plan: TensorParallelPlan,
+               rank: int) -> RankSlice | FusedSlice:
     """The one split rule of the base model (Megatron-LM), for the tensor `param` ("weight" or "bias")
     of `module` (a projection name, "embed_tokens", "lm_head" or a norm: the checkpoint key's module)
     of full `shape`: column-parallel projections and their biases along out (dim 0), row-parallel
@@ -66,11 +87,21 @@ def rank_slice(module: str, param: str, shape: tuple[int, ...], plan: TensorPara
         size = plan.vocab_shard
         start = rank * size
         return RankSlice(0, min(start, shape[0]), min(start + size, shape[0]), size)
+    if module in COLUMN_PARALLEL and len(plan.fused_parts(module)) > 1:
+        return _fused(plan.fused_parts(module), rank, plan.world_size)
     dim = 0 if module in COLUMN_PARALLEL else 1 if module in ROW_PARALLEL and param == "weight" else None
     if dim is None:
         return RankSlice(0, 0, shape[0], shape[0])
     size = shape[dim] // plan.world_size
     return RankSlice(dim, rank * size, (rank + 1) * size, size)
+
+
+def _out_rows(b: torch.Tensor, module: str, plan: TensorParallelPlan, rank: int) -> torch.Tensor:
+    """This rank's rows of a column-parallel module's out-feature axis (of B, like its weight)."""
+    parts = plan.fused_parts(module)
+    if len(parts) > 1:
+        return _fused(parts, rank, plan.world_size).take(b)
+    return _slice(b, 0, rank, plan.world_size)
 
 
 def _take(t: torch.Tensor, module: str, param: str, plan: TensorParallelPlan, rank: int) -> torch.Tensor:
@@ -117,7 +148,7 @@ def shard_lora(module: str, a: torch.Tensor, b: torch.Tensor, plan: TensorParall
         r_pad = plan.lora_rank_shard(a.shape[0]) * n
         a = F.pad(a, (0, 0, 0, r_pad - a.shape[0]))  # zero rows: x·A of the padding is zero
         b = F.pad(b, (0, r_pad - b.shape[1]))
-        return _slice(a, 0, rank, n), _slice(b, 0, rank, n)
+        return _slice(a, 0, rank, n), _out_rows(b, module, plan, rank)
     return _slice(a, 1, rank, n), _slice(b, 0, rank, n)
 
 
@@ -143,5 +174,5 @@ def merge_slices(adapter: HostAdapter, plan: TensorParallelPlan, rank: int) -> H
     b_out: list[dict[str, torch.Tensor]] = []
     for a_layer, b_layer in zip(adapter.a, adapter.b):
         a_out.append({m: a if m in COLUMN_PARALLEL else _slice(a, 1, rank, n) for m, a in a_layer.items()})
-        b_out.append({m: _slice(b, 0, rank, n) if m in COLUMN_PARALLEL else b for m, b in b_layer.items()})
+        b_out.append({m: _out_rows(b, m, plan, rank) if m in COLUMN_PARALLEL else b for m, b in b_layer.items()})
     return HostAdapter(name=adapter.name, path=adapter.path, spec=adapter.spec, a=a_out, b=b_out)

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from loraplex.contracts.geometry import AdapterLayout, PageGeometry, pack_adapter_rows
 from loraplex.contracts.settings import ConfigError
 
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# qkv_proj / gate_up_proj: fused q,k,v / gate,up (Phi-3), column-parallel part by part (fused_parts)
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
@@ -54,7 +55,7 @@ class TensorParallelPlan:
         n = self.world_size
         unsplit = [m for m, _, _ in self.modules if m not in COLUMN_PARALLEL + ROW_PARALLEL]
         if n > 1 and unsplit:
-            raise ValueError(f"the fused projections {unsplit} are not split over ranks yet: "
+            raise ValueError(f"the projections {unsplit} are not split over ranks: "
                              f"serve this model with tensor_parallel_size=1")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
@@ -74,6 +75,9 @@ class TensorParallelPlan:
     def for_model(cls, cfg, world_size: int) -> TensorParallelPlan:
         """From any object with ModelConfig's fields (the engine's ModelConfig)."""
         shapes = cfg.module_shapes() if hasattr(cfg, "module_shapes") else {}
+        blocker = cfg.tp_blocker() if world_size != 1 and hasattr(cfg, "tp_blocker") else None
+        if blocker:  # a family whose weights the ranks cannot split (the engine's ModelConfig says why)
+            raise ValueError(blocker)
         return cls(world_size=world_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                    vocab_size=cfg.vocab_size, modules=tuple((m, fi, fo) for m, (fi, fo) in shapes.items()))
@@ -114,6 +118,16 @@ class TensorParallelPlan:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def fused_parts(self, module: str) -> tuple[int, ...]:
+        """Out-features of each projection a column-parallel `module` concatenates: rank i holds slice i
+        of every part, in order (its own q, k, v heads; its gate and up columns); one part unfused."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if module == "qkv_proj":
+            return (q, kv, kv)
+        if module == "gate_up_proj":
+            return (self.intermediate_size, self.intermediate_size)
+        return (self.full_shapes()[module][1],)
 
     def shard_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of one rank's slice of every projection."""
