@@ -229,9 +229,16 @@ def random_weights(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype
                                   for n in extra},
                            norm_bias=layer_norm_bias())
               for _ in range(cfg.num_layers)]
-    embed = rand(cfg.vocab_size, cfg.hidden_size, std=1.0)
+    # A tied embedding (the LM head too) is kept small beside the layers' outputs, the final norm's
+    # gain making the logits' std ~4 (else the last input token dominates and greedy repeats it).
+    tied = cfg.tie_word_embeddings
+    embed_std = 0.3 / (cfg.hidden_size ** 0.5 if cfg.embed_scaled else 1.0) if tied else 1.0
+    embed = rand(cfg.vocab_size, cfg.hidden_size, std=embed_std)
     zeros = torch.zeros(cfg.hidden_size, device=device, dtype=dtype)
-    return ModelWeights(embed=embed, layers=layers, norm=neutral(),
+    final = neutral()
+    if tied:
+        final = final + 4.0 / (cfg.hidden_size ** 0.5 * embed_std) - 1.0
+    return ModelWeights(embed=embed, layers=layers, norm=final,
                         lm_head=embed if cfg.tie_word_embeddings else rand(cfg.vocab_size, cfg.hidden_size, std=0.02),
                         norm_bias=zeros if cfg.norm == "layer" else None,
                         lm_head_bias=rand(cfg.vocab_size, std=0.02) if cfg.lm_head_bias else None,
