@@ -2,7 +2,10 @@
 transformers' own config class and save_pretrained, adapters built by peft (random lora_B, odd
 ranks, rsLoRA, MLP targets named as the family names them), one mixed batch with base-only rows,
 prompts past the sliding window where there is one, soft-caps active; greedy tokens equal and
-chosen-token logprobs within 1e-3 (float32). Refused families fail with a clear error."""
+chosen-token logprobs within 1e-3 (float32). Also: merged mode, tensor parallelism (slow), the
+Triton interpreter (slow), a daemon with CPU workers (slow), checkpoint layouts (Gemma 3's vision
+tower, GPT-2's bare keys), and the refused families' errors.
+"""
 from __future__ import annotations
 
 import copy
