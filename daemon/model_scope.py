@@ -32,7 +32,8 @@ class ModelScopeError(ValueError):
 def model_scope(model_dir: str | os.PathLike[str] | None) -> str:
     """The registry scope of the base model in `model_dir` (None: the built-in demo)."""
     if model_dir is None:
-        return f"demo-{os.environ.get(DEMO_ENV, '').strip() or 'trained'}"
+        # random:gemma2 -> demo-random-gemma2: each demo architecture has its own registry scope
+        return f"demo-{(os.environ.get(DEMO_ENV, '').strip() or 'trained').replace(':', '-')}"
     config = _read_config(Path(model_dir).expanduser() / "config.json")
     fields = {name: config.get(name) for name in ARCHITECTURE_FIELDS}
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]

@@ -52,8 +52,9 @@ def _configure_demo_model(parser: argparse.ArgumentParser) -> None:
              "the random one is written to $LORAPLEX_CACHE_DIR/demo-v1 or ~/.cache/loraplex/demo-v1)",
     )
     parser.add_argument("--force", action="store_true", help="rewrite the demo even if it is already complete")
-    parser.add_argument("--kind", choices=("trained", "random"), default=None,
-                        help="which demo (default: $LORAPLEX_DEMO, else trained)")
+    parser.add_argument("--kind", default=None, metavar="KIND",
+                        help="which demo: trained, random or random:<family> (qwen3, gemma2, phi3, gpt2, ...; "
+                             "default: $LORAPLEX_DEMO, else trained)")
 
 
 def _run_demo_model(args: argparse.Namespace) -> int:

@@ -17,6 +17,8 @@ from loraplex.gpu_engine.demo import (
     install_trained_demo,
     trained_demo,
 )
+from loraplex.contracts.demo import demo_adapter_dirs
+from loraplex.daemon.model_scope import model_scope
 from loraplex.gpu_engine.demo.evaluate import EVAL_PROMPTS, amen_ratio, generate_all, reversed_ratio, upper_ratio
 from loraplex.gpu_engine.demo.styles import amen, reverse_words, upper
 from loraplex.gpu_engine.demo.tiny_llama import TinyLlama
@@ -136,9 +138,21 @@ def test_builtin_demo_follows_loraplex_demo(monkeypatch: pytest.MonkeyPatch, tmp
     assert builtin_demo().root == TRAINED_DIR
     monkeypatch.setenv("LORAPLEX_DEMO", "random")
     assert "qv-r8" in builtin_demo().adapters
-    monkeypatch.setenv("LORAPLEX_DEMO", "bogus")
-    with pytest.raises(ValueError, match="LORAPLEX_DEMO"):
-        builtin_demo()
+    for bogus in ("bogus", "random:bogus", "trained:gemma2", "random:"):
+        monkeypatch.setenv("LORAPLEX_DEMO", bogus)
+        with pytest.raises(ValueError, match="LORAPLEX_DEMO must be one of .* random:<family>"):
+            builtin_demo()
+
+
+def test_a_family_switch_serves_the_random_demo_of_that_architecture(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    monkeypatch.setenv("LORAPLEX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("LORAPLEX_DEMO", "random:gemma2")
+    demo = builtin_demo()
+    assert demo.root == tmp_path / "demo-v1-gemma2" and "qv-r8" in demo.adapters
+    assert json.loads((demo.model_dir / "config.json").read_text())["model_type"] == "gemma2"
+    assert set(demo_adapter_dirs()) == set(demo.adapters)  # the daemon-free listing finds the same folders
+    assert model_scope(None) == "demo-random-gemma2"
 
 
 def test_trained_demo_copies_all_or_nothing(tmp_path: Path) -> None:

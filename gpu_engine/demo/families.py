@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from loraplex.contracts.demo import DEMO_FAMILIES
+
 from .checkpoint import LOGIT_STD, llama_config
 
 _COMMON = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -71,7 +73,7 @@ def family_config(family: str, **overrides: Any) -> dict[str, Any]:
     return cfg
 
 
-FAMILIES = ("llama", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "gpt2")
+FAMILIES = DEMO_FAMILIES
 
 
 def family_state_dict(config: dict[str, Any], *, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from loraplex.contracts.demo import default_demo_dir  # torch-free: the CLI lists the demo too
+from loraplex.contracts.demo import default_demo_dir, random_demo_dir  # torch-free: the CLI lists the demo too
 
 from .adapter import write_random_adapter
 from .checkpoint import llama_config, write_random_checkpoint
@@ -131,8 +131,7 @@ def ensure_demo_model(dest: Path | None = None, *, force: bool = False, family: 
     if family not in FAMILIES:
         raise ValueError(f"demo family must be one of {', '.join(FAMILIES)}, got {family!r}")
     if dest is None:
-        dest = default_demo_dir()
-        dest = dest if family == "llama" else dest.with_name(f"{dest.name}-{family}")
+        dest = random_demo_dir(family)
     version = DEMO_VERSION if family == "llama" else f"{DEMO_VERSION}-{family}"
     root = ensure_installed(Path(dest), version, lambda r: _write_demo(r, family), force=force)
     return _describe(root)

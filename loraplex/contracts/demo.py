@@ -1,6 +1,7 @@
 """Where the built-in demo lives, torch-free: which demo serves without a model
-($LORAPLEX_DEMO), the trained demo's committed folder in the package and the random
-demo's cache folder. gpu_engine/demo writes and serves them (it imports torch); the CLI
+($LORAPLEX_DEMO: `trained`, `random`, or `random:<family>` for the random demo of another
+served architecture), the trained demo's committed folder in the package and the random
+demos' cache folders. gpu_engine/demo writes and serves them (it imports torch); the CLI
 lists their adapters with no daemon running, and the registry scopes by the same choice.
 """
 from __future__ import annotations
@@ -11,15 +12,28 @@ from pathlib import Path
 
 DEMO_ENV = "LORAPLEX_DEMO"
 DEMO_KINDS = ("trained", "random")
+# The architectures a random demo can be built in (gpu_engine/demo/families.py writes them).
+DEMO_FAMILIES = ("llama", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "gpt2")
 ADAPTER_CONFIG = "adapter_config.json"
+
+
+def check_demo_kind(kind: str, source: str = DEMO_ENV) -> str:
+    """`kind` when it names a demo (trained, random, random:<family>), else a ValueError naming the choices."""
+    base, colon, family = kind.partition(":")
+    if base not in DEMO_KINDS or (colon and (base != "random" or family not in DEMO_FAMILIES)):
+        raise ValueError(f"{source} must be one of {', '.join(DEMO_KINDS)} or random:<family> with a family of "
+                         f"{', '.join(DEMO_FAMILIES)}; got {kind!r}")
+    return kind
+
+
+def demo_family(kind: str) -> str:
+    """The architecture of a random demo kind (`random` is Llama's)."""
+    return kind.partition(":")[2] or "llama"
 
 
 def builtin_demo_kind() -> str:
     """$LORAPLEX_DEMO, else `trained`; anything else is an error that names the choices."""
-    kind = os.environ.get(DEMO_ENV, "").strip() or "trained"
-    if kind not in DEMO_KINDS:
-        raise ValueError(f"{DEMO_ENV} must be one of {', '.join(DEMO_KINDS)}, got {kind!r}")
-    return kind
+    return check_demo_kind(os.environ.get(DEMO_ENV, "").strip() or "trained")
 
 
 def default_demo_dir() -> Path:
@@ -29,6 +43,12 @@ def default_demo_dir() -> Path:
     if xdg := os.environ.get("XDG_CACHE_HOME"):
         return Path(xdg) / "loraplex" / "demo-v1"
     return Path.home() / ".cache" / "loraplex" / "demo-v1"
+
+
+def random_demo_dir(family: str = "llama") -> Path:
+    """The random demo's folder: default_demo_dir(), suffixed -<family> for a family other than Llama."""
+    root = default_demo_dir()
+    return root if family == "llama" else root.with_name(f"{root.name}-{family}")
 
 
 def trained_demo_dir() -> Path:
@@ -44,7 +64,7 @@ def demo_adapter_dirs(kind: str | None = None) -> dict[str, Path]:
     """The demo's adapter folders present on disk, by name: the trained demo's in the package;
     the random demo's once written (by the first `loraplex serve` or `loraplex demo-model`)."""
     kind = kind or builtin_demo_kind()
-    root = trained_demo_dir() if kind == "trained" else default_demo_dir()
+    root = trained_demo_dir() if kind == "trained" else random_demo_dir(demo_family(kind))
     adapters = root / "adapters"
     if not adapters.is_dir():
         return {}
