@@ -30,6 +30,7 @@ CHEAP = {  # a few seconds each on 2 busy cores
     "bench/kernels.py --device cpu --interpret --small --json",
     "bench/prefix_cache.py --quick --json",
     "bench/tp_comm.py --tp 2 --measure-tp 0",
+    "bench/family_step_time.py --families llama gemma2 --batch 2 --max-tokens 4 --rounds 1 --json",
 }
 SLOW = {  # full-size runs: minutes
     "bench/cache_policies.py --json",  # 33 s on 2 busy cores; tests/test_bench_cache.py runs it smaller
@@ -52,6 +53,7 @@ SLOW = {  # full-size runs: minutes
     "bench/kernel_compile.py --json",
     "bench/adapter_census.py --json",  # ~3-5 min; tests/test_adapter_census.py runs 4 rows
     "bench/adapter_census.py --only qwen2 --limit 5",
+    "bench/family_step_time.py --json",
 }
 ELSEWHERE = {  # a GPU, results of a GPU run, or a library installed by hand are needed
     "bench/grammar_mask.py --json",  # llguidance, the library xgrammar is compared with
