@@ -36,7 +36,7 @@ from loraplex.cpu_lora.compute import lora_delta
 from loraplex.cpu_lora.loopback import Assignment, ExchangeDriver, HostStore
 from loraplex.cpu_lora.pool import CpuWorkerPool
 from loraplex.ipc.adapter_store import store_entry_layout
-from loraplex.ipc.exchange import MODULES, STAGE_MODULES, exchange_layout
+from loraplex.ipc.exchange import STAGES, exchange_layout, llama_module_shapes
 from loraplex.ipc.protocol import CpuJobDone, CpuLoraJob
 from loraplex.ipc.shm import segment_name
 
@@ -93,14 +93,13 @@ class ParallelRig:
 
     def __init__(self, hidden: int, intermediate: int, layers: int, max_tokens: int, ranks: list[int]) -> None:
         instance = f"{SEGMENT_INSTANCE_PREFIX}{os.getpid()}{uuid.uuid4().hex[:6]}"
-        self.layout = exchange_layout(segment_name(instance, "exchange"), layers, hidden, hidden, hidden,
-                                      intermediate, max_tokens)
-        shapes = {m: self.layout.module_shape(m) for m in MODULES}
+        shapes = llama_module_shapes(hidden, hidden, hidden, intermediate)
+        self.layout = exchange_layout(segment_name(instance, "exchange"), layers, shapes, max_tokens)
         need = sum(store_entry_layout(f"r{r}", r, shapes, layers, "float32").nbytes + 4096 for r in ranks)
         self.ex = ExchangeDriver(self.layout)
         self.store = HostStore(segment_name(instance, "store"), need)
         try:
-            self.adapters = {r: self.store.add_random(f"r{r}", r, list(MODULES), self.layout, seed=r) for r in ranks}
+            self.adapters = {r: self.store.add_random(f"r{r}", r, list(shapes), self.layout, seed=r) for r in ranks}
             gen = torch.Generator().manual_seed(1)
             for x in self.ex.x:  # x stays fixed; each post only moves the ready word
                 x.copy_(torch.randn(x.shape, generator=gen))
@@ -111,9 +110,9 @@ class ParallelRig:
     def threads_step(self, rank: int, tokens: int) -> None:
         entry = self.adapters[rank]
         for layer in range(self.layout.num_layers):
-            for stage, modules in enumerate(STAGE_MODULES):
+            for stage in range(len(STAGES)):
                 x = self.ex.x[stage][:tokens]
-                for module in modules:
+                for module in self.layout.stage_modules(stage):
                     a, bt = self.store.blocks(entry, layer, module)
                     lora_delta(x, a, bt, 2.0, self.ex.out[module][:tokens])
 
@@ -121,9 +120,9 @@ class ParallelRig:
         """Out rows (last layer's deltas) against float64, after a step."""
         layer = self.layout.num_layers - 1
         err = 0.0
-        for stage, modules in enumerate(STAGE_MODULES):
+        for stage in range(len(STAGES)):
             x = self.ex.x[stage][:tokens]
-            for module in modules:
+            for module in self.layout.stage_modules(stage):
                 ref = self.store.reference(self.adapters[rank], layer, module, x, 2.0)
                 scale = max(1.0, ref.abs().max().item())
                 err = max(err, (self.ex.out[module][:tokens].double() - ref).abs().max().item() / scale)
@@ -147,7 +146,7 @@ async def multiproc_step(pool: CpuWorkerPool, rig: ParallelRig, seq: int, rank: 
                          slices=[Assignment(start, count, rig.adapters[rank], 2.0).slice()])
         futures.append(await pool.submit(index, job))
     for layer in range(layout.num_layers):
-        for stage in range(len(STAGE_MODULES)):
+        for stage in range(len(STAGES)):
             base = rig.ex.post(layer, stage, seq)
             if not rig.ex.wait_done(layer, stage, base + len(splits), 60_000):
                 raise RuntimeError(f"workers missed layer {layer} stage {stage}")
@@ -270,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                    "prompt_lens": args.prompt_lens, "parallel_ranks": args.parallel_ranks,
                    "parallel_lens": args.parallel_lens, "layers": args.layers, "workers": args.workers,
                    "cores": cores, "repeats": args.repeats, "dtype": "float32",
-                   "modules": list(MODULES), "small": args.small},
+                   "modules": list(llama_module_shapes(1, 1, 1, 1)), "small": args.small},
         "per_core": core_rows,
         "parallel": par_rows,
         "summary": {"ratio_min": min(ratios), "ratio_max": max(ratios),

@@ -22,7 +22,7 @@ from loraplex.ipc.adapter_store import (
     store_entry_layout,
     store_segment_size,
 )
-from loraplex.ipc.exchange import STAGE_MODULES, ExchangeLayout
+from loraplex.ipc.exchange import STAGES, ExchangeLayout
 from loraplex.ipc.protocol import CpuJobSlice
 from loraplex.ipc.shm import Region, SharedSegment
 
@@ -97,8 +97,8 @@ class ExchangeDriver:
         self.layout = layout
         self.segment = layout.create_segment()
         self.words = self.segment.buf
-        self.x = [_view(self.segment, layout.x_region(s)) for s in range(len(STAGE_MODULES))]
-        self.out = {m: _view(self.segment, layout.out_region(m)) for mods in STAGE_MODULES for m in mods}
+        self.x = [_view(self.segment, layout.x_region(s)) for s in range(len(STAGES))]
+        self.out = {m: _view(self.segment, layout.out_region(m)) for m in layout.module_names}
 
     def post(self, layer: int, stage: int, seq: int, x: torch.Tensor | None = None) -> int:
         """Write x rows [0, len(x)) of the stage (if given), publish ready = seq; returns

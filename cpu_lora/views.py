@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from loraplex.cpu_lora.compute import store_dtype
-from loraplex.ipc.exchange import STAGE_MODULES, STAGES, ExchangeLayout
+from loraplex.ipc.exchange import STAGES, ExchangeLayout
 from loraplex.ipc.shm import HEADER_BYTES, SHM_DIR, Region, SharedSegment, ShmError
 
 
@@ -51,7 +51,7 @@ class ExchangeViews:
         self.identity = bytes(self.segment.buf[:HEADER_BYTES])
         self.words = self.segment.buf  # what loraplex._C's word functions take
         self.x = [self._view(layout.x_region(stage)) for stage in range(len(STAGES))]
-        self.out = {m: self._view(layout.out_region(m)) for mods in STAGE_MODULES for m in mods}
+        self.out = {m: self._view(layout.out_region(m)) for m in layout.module_names}
 
     def _view(self, region: Region) -> torch.Tensor:
         return _frombuffer(self.segment.buf, torch.float32, region.numel, region.offset).view(region.rows, region.cols)

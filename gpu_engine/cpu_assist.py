@@ -16,7 +16,7 @@ import torch
 from loraplex import _C
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
 from loraplex.ipc.engine_plan import CpuAssistStep
-from loraplex.ipc.exchange import STAGE_MODULES, ExchangeLayout, exchange_layout
+from loraplex.ipc.exchange import STAGES, ExchangeLayout, exchange_layout
 from loraplex.ipc.shm import SharedSegment
 
 DEFAULT_DEADLINE_MS = 2000
@@ -44,8 +44,8 @@ class ExchangeBuffers:
         self.layout = layout
         self.segment = segment
         self.words = segment.buf
-        self.x = {stage: self._view(layout.x_region(stage)) for stage in range(len(STAGE_MODULES))}
-        self.out = {m: self._view(layout.out_region(m)) for mods in STAGE_MODULES for m in mods}
+        self.x = {stage: self._view(layout.x_region(stage)) for stage in range(len(STAGES))}
+        self.out = {m: self._view(layout.out_region(m)) for m in layout.module_names}
 
     def _view(self, region) -> torch.Tensor:
         count = region.rows * region.cols
@@ -123,10 +123,10 @@ class CpuAssistStepRun:
 class CpuAssistEngine:
     """Owns the engine's exchange segment; makes one CpuAssistStepRun per step that has CPU rows."""
 
-    def __init__(self, segment_name: str, *, num_layers: int, hidden: int, q_dim: int, kv_dim: int,
-                 intermediate: int, max_tokens: int, deadline_ms: int = DEFAULT_DEADLINE_MS,
-                 cuda: bool = False) -> None:
-        self.layout = exchange_layout(segment_name, num_layers, hidden, q_dim, kv_dim, intermediate, max_tokens)
+    def __init__(self, segment_name: str, *, num_layers: int, module_shapes: dict[str, tuple[int, int]],
+                 max_tokens: int, deadline_ms: int = DEFAULT_DEADLINE_MS, cuda: bool = False) -> None:
+        """module_shapes: the model's ModelConfig.module_shapes() (one exchange slot per target module)."""
+        self.layout = exchange_layout(segment_name, num_layers, module_shapes, max_tokens)
         self.segment = self.layout.create_segment()
         self.buffers = ExchangeBuffers(self.layout, self.segment)
         self.deadline_ms = deadline_ms

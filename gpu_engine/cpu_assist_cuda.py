@@ -22,7 +22,6 @@ import torch
 
 from loraplex import _C
 from loraplex.gpu_engine.cpu_assist import DEFAULT_DEADLINE_MS, CpuRow, ExchangeBuffers
-from loraplex.ipc.exchange import STAGE_MODULES
 
 
 def cuda_stream_ops_available() -> bool:
@@ -121,7 +120,7 @@ class CudaCpuAssistStepRun:
 
     def _compute_site(self, layer: int, stage: int, rows: list[CpuRow]) -> None:
         x = self.buf.x[stage]
-        for module in STAGE_MODULES[stage]:
+        for module in self.buf.layout.stage_modules(stage):
             out = self.buf.out[module]
             for r in rows:
                 if r.targets(module):

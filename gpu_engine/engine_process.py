@@ -66,8 +66,7 @@ class CpuAssistResources:
             pin=runtime.executor.device.type == "cuda")
         try:
             self.assist = CpuAssistEngine(segment_name(instance, "xchg0"), num_layers=cfg.num_layers,
-                                          hidden=cfg.hidden_size, q_dim=cfg.q_dim, kv_dim=cfg.kv_dim,
-                                          intermediate=cfg.intermediate_size, max_tokens=spec.exchange_max_tokens,
+                                          module_shapes=cfg.module_shapes(), max_tokens=spec.exchange_max_tokens,
                                           cuda=runtime.executor.device.type == "cuda")
         except BaseException:
             if self.store is not None:

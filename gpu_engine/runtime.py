@@ -57,24 +57,8 @@ def resolve_spec(spec: EngineSpec, rank: int = 0) -> EngineSpec:
         from loraplex.gpu_engine.demo import builtin_demo
 
         model = str(builtin_demo().model_dir)
-    if mode == "cpu_assist" and _fused_modules(model):  # the CPU workers' exchange has Llama's modules only
-        if spec.adapter_load_mode == "cpu_assist":
-            raise ConfigError(f"adapter_load_mode=cpu_assist does not run models with fused projections "
-                              f"{_fused_modules(model)} yet; use on_demand or cached", "adapter_load_mode")
-        mode = "on_demand"
     return dataclasses.replace(spec, model=model, device=device, dtype=dtype, lora_backend=backend,
                                adapter_load_mode=mode)
-
-
-def _fused_modules(model_dir: str) -> list[str]:
-    """The model's projections the CPU-assist exchange (ipc/exchange.py's MODULES) has no slot for."""
-    from loraplex.ipc.exchange import MODULES
-
-    try:
-        cfg = ModelConfig.from_dir(model_dir)
-    except (OSError, ValueError):
-        return []  # a bad model directory is reported where the weights load
-    return [m for m in cfg.module_shapes() if m not in MODULES]
 
 
 def model_split(config: ModelConfig, comm=None, *, assisted: bool = False) -> ModelSplit:

@@ -12,10 +12,12 @@ import bisect
 import dataclasses
 from dataclasses import dataclass
 
+from loraplex.ipc.exchange import MODULE_STAGE
 from loraplex.ipc.shm import DTYPE_SIZES, HEADER_BYTES, Region
 
 # Canonical module order inside a layer (the order of the GPU pool and the PEFT targets).
-MODULE_ORDER: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Fused qkv_proj / gate_up_proj (Phi-3, GPT-2) sit where their parts would; a model has one or the other.
+MODULE_ORDER: tuple[str, ...] = tuple(MODULE_STAGE)
 EXTENT_ALIGN = 256  # every arena extent starts on 256 bytes (vector loads, DMA)
 BLOCK_ALIGN = 64  # every A and B^T block inside an entry starts on a cache line
 # Where the arena starts in the store segment: one page after the owner header.

@@ -19,26 +19,28 @@ from __future__ import annotations
 
 import errno
 import functools
+import hashlib
 import struct
 from dataclasses import dataclass
 
 from loraplex.ipc.shm import HEADER_BYTES, Region, SharedSegment, ShmError, check_segment_name
 
-# Stage s of a layer: what x holds, and the target modules that read it.
+# Stage s of a layer: what x holds, and which target modules read it. The one
+# declaration of a module's stage: a model's module_shapes() (gpu_engine/model/config.py)
+# names which of these it has; a fused module reads the same x as its parts.
 STAGES: tuple[str, ...] = ("attn_in", "o_in", "mlp_in", "down_in")
-STAGE_MODULES: tuple[tuple[str, ...], ...] = (
-    ("q_proj", "k_proj", "v_proj"),  # x = post-input-norm hidden  [T, hidden]
-    ("o_proj",),                     # x = attention output        [T, q_dim]
-    ("gate_proj", "up_proj"),        # x = post-attention-norm     [T, hidden]
-    ("down_proj",),                  # x = silu(gate) * up         [T, intermediate]
-)
-MODULES: tuple[str, ...] = tuple(m for mods in STAGE_MODULES for m in mods)
-MODULE_STAGE: dict[str, int] = {m: s for s, mods in enumerate(STAGE_MODULES) for m in mods}
+MODULE_STAGE: dict[str, int] = {
+    "q_proj": 0, "k_proj": 0, "v_proj": 0, "qkv_proj": 0,  # x = post-input-norm hidden  [T, hidden]
+    "o_proj": 1,                                           # x = attention output        [T, q_dim]
+    "gate_proj": 2, "up_proj": 2, "gate_up_proj": 2,       # x = post-attention-norm     [T, hidden]
+    "down_proj": 3,                                        # x = act(gate) * up, or act(up) [T, intermediate]
+}
+MAX_MODULES = len(MODULE_STAGE)
 
 CACHE_LINE = 64
 REGION_ALIGN = 4096  # data regions start on pages: DMA-friendly, and no false sharing between regions
-EXCHANGE_MAGIC = b"LPXEXC\x00\x01"
-# magic, num_layers, hidden, q_dim, kv_dim, intermediate, max_tokens, spare
+EXCHANGE_MAGIC = b"LPXEXC\x00\x02"
+# magic, num_layers, max_tokens, modules fingerprint, spare x4
 _EXCHANGE_HEADER = struct.Struct("<8s7Q")
 _EXCHANGE_HEADER_AT = HEADER_BYTES
 _CONTROL_AT = _EXCHANGE_HEADER_AT + CACHE_LINE
@@ -49,28 +51,74 @@ def _align(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"exchange layout {name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeModule:
+    """One target module's slot: its x is its stage's region, its deltas [T, out_features]."""
+
+    name: str
+    in_features: int
+    out_features: int
+
+    def __post_init__(self) -> None:
+        if self.name not in MODULE_STAGE:
+            raise ValueError(f"exchange module {self.name!r} is not a target module; expected one of "
+                             f"{tuple(MODULE_STAGE)}")
+        _positive(f"{self.name} in_features", self.in_features)
+        _positive(f"{self.name} out_features", self.out_features)
+
+
 @dataclass(frozen=True, slots=True)
 class ExchangeLayout:
     """Where everything sits in one engine's exchange segment.
 
     Travels in control messages as plain fields; every offset is derived from
-    them, so both sides compute the same layout.
+    them, so both sides compute the same layout. `modules` is the model's
+    module_shapes() in its order (exchange_layout builds it): which target
+    modules have a slot, and how wide their x and delta rows are.
     """
 
     segment_name: str
     num_layers: int
-    hidden: int
-    q_dim: int
-    kv_dim: int
-    intermediate: int
+    modules: list[ExchangeModule]
     max_tokens: int
 
     def __post_init__(self) -> None:
         check_segment_name(self.segment_name)
-        for field in ("num_layers", "hidden", "q_dim", "kv_dim", "intermediate", "max_tokens"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"exchange layout {field} must be a positive int, got {value!r}")
+        _positive("num_layers", self.num_layers)
+        _positive("max_tokens", self.max_tokens)
+        if not isinstance(self.modules, (list, tuple)) or not 0 < len(self.modules) <= MAX_MODULES \
+                or not all(isinstance(m, ExchangeModule) for m in self.modules):
+            raise ValueError(f"exchange layout modules must list 1 to {MAX_MODULES} ExchangeModules")
+        # A list, as the wire decodes it (the hash below reads it as a tuple).
+        object.__setattr__(self, "modules", list(self.modules))
+        names = [m.name for m in self.modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"exchange layout modules repeat a name: {names}")
+        if [MODULE_STAGE[n] for n in names] != sorted(MODULE_STAGE[n] for n in names):
+            raise ValueError(f"exchange layout modules must be in stage order, got {names}")
+        for stage, stage_name in enumerate(STAGES):
+            widths = {m.in_features for m in self.modules if MODULE_STAGE[m.name] == stage}
+            if len(widths) != 1:
+                raise ValueError(f"exchange layout stage {stage_name} needs modules with one in_features, "
+                                 f"got {sorted(widths) or 'none'}")
+
+    def __hash__(self) -> int:  # modules is a list (the wire's type); hash it as a tuple
+        return hash((self.segment_name, self.num_layers, tuple(self.modules), self.max_tokens))
+
+    # -- modules --------------------------------------------------------------
+
+    @property
+    def module_names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.modules)
+
+    def stage_modules(self, stage: int) -> tuple[str, ...]:
+        """The target modules that read stage `stage`'s x, in the model's order."""
+        return _stage_modules(self)[stage]
 
     # -- sequence words -------------------------------------------------------
 
@@ -108,23 +156,15 @@ class ExchangeLayout:
     # -- data regions ---------------------------------------------------------
 
     def in_features(self, stage: int) -> int:
-        return (self.hidden, self.q_dim, self.hidden, self.intermediate)[stage]
+        """Width of stage `stage`'s x rows (every module of a stage reads the same x)."""
+        return _shapes(self)[self.stage_modules(stage)[0]][0]
 
     def module_shape(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of a target module."""
-        shapes = {
-            "q_proj": (self.hidden, self.q_dim),
-            "k_proj": (self.hidden, self.kv_dim),
-            "v_proj": (self.hidden, self.kv_dim),
-            "o_proj": (self.q_dim, self.hidden),
-            "gate_proj": (self.hidden, self.intermediate),
-            "up_proj": (self.hidden, self.intermediate),
-            "down_proj": (self.intermediate, self.hidden),
-        }
+        """(in_features, out_features) of a target module of this model."""
         try:
-            return shapes[module]
+            return _shapes(self)[module]
         except KeyError:
-            raise KeyError(f"unknown module {module!r}; expected one of {MODULES}") from None
+            raise KeyError(f"module {module!r} has no exchange slot; this model's are {self.module_names}") from None
 
     def x_region(self, stage: int | str) -> Region:
         """[max_tokens, in_features] float32 input rows of `stage` (index or name)."""
@@ -139,8 +179,8 @@ class ExchangeLayout:
 
     def out_region(self, module: str) -> Region:
         """[max_tokens, out_features] float32 LoRA delta rows of `module`."""
-        if module not in MODULE_STAGE:
-            raise KeyError(f"unknown module {module!r}; expected one of {MODULES}")
+        if module not in _shapes(self):
+            raise KeyError(f"module {module!r} has no exchange slot; this model's are {self.module_names}")
         return _regions(self)[module]
 
     def regions(self) -> dict[str, Region]:
@@ -161,8 +201,7 @@ class ExchangeLayout:
     # -- header ---------------------------------------------------------------
 
     def _header_bytes(self) -> bytes:
-        return _EXCHANGE_HEADER.pack(EXCHANGE_MAGIC, self.num_layers, self.hidden, self.q_dim, self.kv_dim,
-                                     self.intermediate, self.max_tokens, 0)
+        return _EXCHANGE_HEADER.pack(EXCHANGE_MAGIC, self.num_layers, self.max_tokens, _fingerprint(self), 0, 0, 0, 0)
 
     def write_header(self, buf: memoryview) -> None:
         """Stamp the dimensions after the owner header (the creator does this once)."""
@@ -194,20 +233,44 @@ class ExchangeLayout:
 
 
 @functools.lru_cache(maxsize=64)
+def _shapes(layout: ExchangeLayout) -> dict[str, tuple[int, int]]:
+    return {m.name: (m.in_features, m.out_features) for m in layout.modules}
+
+
+@functools.lru_cache(maxsize=64)
+def _stage_modules(layout: ExchangeLayout) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(m.name for m in layout.modules if MODULE_STAGE[m.name] == s) for s in range(len(STAGES)))
+
+
+def _fingerprint(layout: ExchangeLayout) -> int:
+    """64 bits naming the module slots, so an attacher with other widths is refused."""
+    text = ";".join(f"{m.name}:{m.in_features}:{m.out_features}" for m in layout.modules)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+@functools.lru_cache(maxsize=64)
 def _regions(layout: ExchangeLayout) -> dict[str, Region]:
     out: dict[str, Region] = {}
     at = _align(layout.words_end, REGION_ALIGN)
     for stage, name in enumerate(STAGES):
         out[name] = Region(at, layout.max_tokens, layout.in_features(stage))
         at = _align(out[name].end, REGION_ALIGN)
-    for module in MODULES:
-        out[module] = Region(at, layout.max_tokens, layout.module_shape(module)[1])
-        at = _align(out[module].end, REGION_ALIGN)
+    for module in layout.modules:
+        out[module.name] = Region(at, layout.max_tokens, module.out_features)
+        at = _align(out[module.name].end, REGION_ALIGN)
     return out
 
 
-def exchange_layout(segment_name: str, num_layers: int, hidden: int, q_dim: int, kv_dim: int, intermediate: int,
+def exchange_layout(segment_name: str, num_layers: int, module_shapes: dict[str, tuple[int, int]],
                     max_tokens: int) -> ExchangeLayout:
-    """The layout of an exchange for a model of these dimensions and `max_tokens` CPU rows per step."""
-    return ExchangeLayout(segment_name=segment_name, num_layers=num_layers, hidden=hidden, q_dim=q_dim,
-                          kv_dim=kv_dim, intermediate=intermediate, max_tokens=max_tokens)
+    """The layout of an exchange for a model with these target modules (its ModelConfig.module_shapes():
+    name -> (in_features, out_features), in the model's order) and `max_tokens` CPU rows per step."""
+    modules = [ExchangeModule(name, fan_in, fan_out) for name, (fan_in, fan_out) in module_shapes.items()]
+    return ExchangeLayout(segment_name=segment_name, num_layers=num_layers, modules=modules, max_tokens=max_tokens)
+
+
+def llama_module_shapes(hidden: int, q_dim: int, kv_dim: int, intermediate: int) -> dict[str, tuple[int, int]]:
+    """Llama's module_shapes() for these widths (tests and benchmarks without a ModelConfig)."""
+    return {"q_proj": (hidden, q_dim), "k_proj": (hidden, kv_dim), "v_proj": (hidden, kv_dim),
+            "o_proj": (q_dim, hidden), "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
+            "down_proj": (intermediate, hidden)}

@@ -7,7 +7,8 @@ exchange, with the whole model's widths (the daemon still sees one engine).
 - stages 1 and 3 (o and down input, split by heads / intermediate): the CPU rows' x
   slices are gathered to rank 0 (tag "assist"), which posts them whole;
 - column-parallel outputs (q/k/v, gate/up: each rank has out/N columns): rank 0 collects
-  the whole deltas, then scatters column block j of the CPU rows to rank j;
+  the whole deltas, then scatters column block j of the CPU rows to rank j (a fused
+  qkv_proj / gate_up_proj: block j of each part, in order, as the rank's weights hold them);
 - row-parallel outputs (o, down: already all-reduced, whole on every rank): rank 0
   collects the delta and broadcasts the CPU rows' to every rank.
 
@@ -38,13 +39,17 @@ class AssistRow:
 
 
 class TpCpuAssist:
-    def __init__(self, comm: TpComm, inner, rows: list[AssistRow]) -> None:
-        """inner: rank 0's CpuAssistStepRun (None on the other ranks); rows: in the step's token order."""
+    def __init__(self, comm: TpComm, inner, rows: list[AssistRow],
+                 parts: dict[str, tuple[int, ...]] | None = None) -> None:
+        """inner: rank 0's CpuAssistStepRun (None on the other ranks); rows: in the step's token order;
+        parts: the whole out-features of each part of a fused column-parallel module
+        (TensorParallelPlan.fused_parts); a module not named is one part."""
         if (inner is None) != (comm.rank != 0):
             raise ValueError(f"rank {comm.rank}: the CPU assist step run belongs to rank 0 only")
         self.comm = comm
         self.inner = inner
         self.rows = rows
+        self.parts = parts or {}
         self._whole_x: dict[int, torch.Tensor] = {}  # rank 0: a split stage's input, gathered whole
 
     # what the executor reports (rank 0's reply is the engine's)
@@ -106,8 +111,8 @@ class TpCpuAssist:
             whole = {m: outs[m].new_zeros(x.shape[0], w * n) for m, w in zip(modules, widths)}
             self.inner.collect(layer, stage, x, whole)  # waits even when no module is targeted
             if modules:  # [C, N, w] per module -> rank j's block holds its columns of every module
-                send = torch.cat([whole[m].index_select(0, idx).view(len(idx), n, w)
-                                  for m, w in zip(modules, widths)], dim=2).reshape(len(idx), -1)
+                send = torch.cat([block for m in modules for block in self._rank_blocks(whole[m], idx, m)],
+                                 dim=2).reshape(len(idx), -1)
         if not modules:
             return
         got = self.comm.scatter_last(send, outs[modules[0]].new_empty(len(idx), sum(widths)), TAG)
@@ -115,6 +120,13 @@ class TpCpuAssist:
         for m, w in zip(modules, widths):
             outs[m].index_add_(0, idx, got[:, offset: offset + w])
             offset += w
+
+    def _rank_blocks(self, whole: torch.Tensor, idx: torch.Tensor, module: str) -> list[torch.Tensor]:
+        """[C, N, part/N] per part of `module`'s whole delta rows: rank j's columns are block j of each."""
+        n = self.comm.world_size
+        rows = whole.index_select(0, idx)
+        parts = self.parts.get(module, (whole.shape[1],))
+        return [p.reshape(len(idx), n, p.shape[1] // n) for p in rows.split(list(parts), dim=1)]
 
     def _collect_whole(self, layer: int, stage: int, outs: dict[str, torch.Tensor], modules: list[str],
                        idx: torch.Tensor) -> None:

@@ -49,4 +49,4 @@ class TpShard:
         with CPU rows for an engine without assist is refused on every rank alike, before any collective."""
         if not self.assisted or (self.rank == 0 and inner is None):
             raise ValueError("the plan assigns rows to CPU workers but no CPU assist is attached to this engine")
-        return TpCpuAssist(self.comm, inner, rows)
+        return TpCpuAssist(self.comm, inner, rows, {m: self.plan.fused_parts(m) for m in self.cfg.module_shapes()})

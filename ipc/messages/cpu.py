@@ -116,6 +116,9 @@ class CpuLoraJob(Message):
                 raise invalid(f"slices[{i}]: adapter {entry.name!r} has {entry.num_layers} layers, "
                               f"the model {num_layers}")
             for module in entry.modules:
+                if module.name not in self.exchange.module_names:
+                    raise invalid(f"slices[{i}]: {entry.name!r} targets {module.name}, which this model's "
+                                  f"exchange has no slot for (it has {', '.join(self.exchange.module_names)})")
                 shape = self.exchange.module_shape(module.name)
                 if (module.in_features, module.out_features) != shape:
                     raise invalid(f"slices[{i}]: {entry.name!r} {module.name} is "
