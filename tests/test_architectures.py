@@ -330,6 +330,29 @@ def test_tp2_equals_single_device(tmp_path, build):
     assert (result["logits"] - logits).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
+def test_tp2_cpu_assisted_prefill_of_fused_projections(tmp_path):
+    """Phi-3 split over two ranks with CPU workers on rank 0: the workers compute qkv_proj's and
+    gate_up_proj's deltas whole, and each rank gets block j of each fused part (its q, k, v heads,
+    its gate and up columns); greedy tokens and logprobs equal one device's without assist."""
+    import dataclasses
+
+    from loraplex.gpu_engine.demo import ensure_demo_model
+    from tests.tp_engine_support import EngineCase, single_device, spawn_engine
+
+    demo = ensure_demo_model(tmp_path / "demo", family="phi3")
+    names = ["all-r32", None, "mlp-r64", "qv-r8"]
+    prompts = _prompts(11, [9, 30, 17, 22], 512)
+    case = EngineCase(str(demo.model_dir), {n: str(demo.adapters[n]) for n in names if n}, prompts, names,
+                      new_tokens=3, cpu_assist=True, num_pages=600)
+    ref_tokens, ref_logprobs = single_device(dataclasses.replace(case, cpu_assist=False))
+    out = tmp_path / "out"
+    out.mkdir()
+    [(tokens, logprobs)] = spawn_engine(2, [case], out)  # drive() checks the workers' deltas arrived
+    assert torch.equal(tokens, ref_tokens)
+    assert (logprobs - ref_logprobs).abs().max().item() < 1e-4
+
+
 def test_tp_splits_fused_parts_and_refuses_conv1d():
     from loraplex.contracts.tensor_parallel import TensorParallelPlan
     from loraplex.gpu_engine.tp.partition import rank_slice
@@ -346,18 +369,27 @@ def test_tp_splits_fused_parts_and_refuses_conv1d():
     assert TensorParallelPlan.for_model(gpt2, 1).full_shapes()["qkv_proj"] == (64, 192)
 
 
-def test_cpu_assist_refused_for_fused_projections(tmp_path):
-    """The CPU workers' exchange has slots for Llama's modules only: a fused family is served
-    on_demand under adapter_load_mode=auto, and an explicit cpu_assist is a ConfigError naming it."""
+@pytest.mark.parametrize("family", ["phi3", "gpt2"])
+def test_cpu_assist_runs_fused_projections(tmp_path, family):
+    """The CPU workers' exchange has a slot per module of the model's module_shapes(): a fused
+    family (Phi-3's qkv_proj / gate_up_proj, GPT-2's c_attn and an MLP without gate) keeps
+    adapter_load_mode=cpu_assist when asked for it, and its exchange is laid out
+    from those modules."""
     from loraplex.contracts.engine_spec import EngineSpec
-    from loraplex.contracts.settings import ConfigError
     from loraplex.gpu_engine.demo import family_config, write_random_checkpoint
+    from loraplex.gpu_engine.model.config import ModelConfig
     from loraplex.gpu_engine.runtime import resolve_spec
+    from loraplex.ipc.exchange import exchange_layout
 
-    write_random_checkpoint(tmp_path, family_config("phi3"), seed=1)
-    with pytest.raises(ConfigError, match="qkv_proj"):
-        resolve_spec(EngineSpec(model=str(tmp_path), device="cpu", adapter_load_mode="cpu_assist"))
-    assert resolve_spec(EngineSpec(model=str(tmp_path), device="cpu")).adapter_load_mode == "on_demand"
+    write_random_checkpoint(tmp_path, family_config(family), seed=1)
+    spec = resolve_spec(EngineSpec(model=str(tmp_path), device="cpu", adapter_load_mode="cpu_assist"))
+    assert spec.adapter_load_mode == "cpu_assist"
+    cfg = ModelConfig.from_dir(tmp_path)
+    layout = exchange_layout("/lpx-test-fused", cfg.num_layers, cfg.module_shapes(), 8)
+    assert layout.stage_modules(0) == ("qkv_proj",)
+    assert layout.stage_modules(2) == (("gate_up_proj",) if family == "phi3" else ("up_proj",))
+    assert layout.module_shape("qkv_proj") == (cfg.hidden_size, cfg.q_dim + 2 * cfg.kv_dim)
+    assert layout.in_features(3) == cfg.intermediate_size
 
 
 _TRITON_SCRIPT = """
@@ -419,11 +451,12 @@ def test_gemma3_legacy_rope_fields():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma2", "phi"])
+@pytest.mark.parametrize("family", ["gemma2", "phi", "phi3", "gpt2"])
 def test_daemon_cpu_assist_serves_the_offline_tokens(tmp_path, family):
     """Through a daemon, with CPU workers computing the early layers' LoRA while a throttled load
-    streams in (the CPU-assist hooks around Gemma 2's sandwich norms, Phi's parallel residual):
-    the offline API's tokens."""
+    streams in (the CPU-assist hooks around Gemma 2's sandwich norms, Phi's parallel residual,
+    Phi-3's fused qkv_proj / gate_up_proj, GPT-2's fused c_attn and MLP without gate): the offline
+    API's tokens."""
     from loraplex.gpu_engine.demo import ensure_demo_model
     from tests.daemon_process import DaemonProcess
 
@@ -450,6 +483,9 @@ def test_daemon_cpu_assist_serves_the_offline_tokens(tmp_path, family):
         assert proc.stop() == 0, proc.log()
     assert [r.token_ids for r in got] == [e.token_ids for e in expected]
     assert "cpu_assisted" in [r.timings["adapter_path"] for r in got], stats.get("cpu_assist")
+    # the workers computed those rows' deltas (no site fell back to the engine's own host computation)
+    assert stats["cpu_assist"]["jobs"] > 0 and stats["cpu_assist"]["busy_ms"] > 0, stats["cpu_assist"]
+    assert stats["cpu_timeouts"] == 0 and stats["cpu_assist"]["failures"] == 0, stats["cpu_assist"]
 
 
 def test_gemma1_reads_hidden_act_and_its_legacy_gelu():

@@ -26,7 +26,7 @@ from loraplex.cpu_lora.loopback import Assignment, ExchangeDriver, HostStore
 from loraplex.cpu_lora.pool import CpuWorkerError, CpuWorkerPool, default_worker_cores
 from loraplex.ipc.adapter_store import StoreEntry
 from loraplex.ipc.errors import ProtocolError
-from loraplex.ipc.exchange import STAGE_MODULES, ExchangeLayout, exchange_layout
+from loraplex.ipc.exchange import ExchangeLayout, exchange_layout, llama_module_shapes
 from loraplex.ipc.protocol import CpuJobDone, CpuLoraJob
 from loraplex.ipc.shm import list_segments, segment_name
 
@@ -53,16 +53,19 @@ def runtime_dir() -> Iterator[Path]:
 class Rig:
     """Exchange + store segments with random adapters: the engine's half of the protocol."""
 
-    def __init__(self, instance: str, max_tokens: int = 48) -> None:
+    def __init__(self, instance: str, max_tokens: int = 48, shapes: dict | None = None) -> None:
         self.layout: ExchangeLayout = exchange_layout(segment_name(instance, "exchange"), num_layers=LAYERS,
-                                                      hidden=64, q_dim=64, kv_dim=32, intermediate=96,
+                                                      module_shapes=shapes or llama_module_shapes(64, 64, 32, 96),
                                                       max_tokens=max_tokens)
         self.ex = ExchangeDriver(self.layout)
         self.store = HostStore(segment_name(instance, "store"), 1 << 21)
+        if shapes is not None:
+            self.adapters = {}  # the test places its own
+            return
         self.adapters = {
             "qv-r8": self.store.add_random("qv-r8", 8, ["q_proj", "v_proj"], self.layout, seed=1),
             "all-r16-bf16": self.store.add_random(
-                "all-r16-bf16", 16, [m for mods in STAGE_MODULES for m in mods], self.layout, dtype="bfloat16", seed=2),
+                "all-r16-bf16", 16, list(self.layout.module_names), self.layout, dtype="bfloat16", seed=2),
             "mlp-r4": self.store.add_random("mlp-r4", 4, ["gate_proj", "up_proj", "down_proj"], self.layout, seed=3),
             "ko-r32-fp16": self.store.add_random("ko-r32-fp16", 32, ["k_proj", "o_proj"], self.layout,
                                                  dtype="float16", seed=4),
@@ -85,7 +88,7 @@ class Rig:
     def check(self, layer: int, stage: int, x: torch.Tensor, pieces: list[Assignment]) -> int:
         """Compare the out rows of every targeted module; returns how many (module, slice) pairs."""
         checked = 0
-        for module in STAGE_MODULES[stage]:
+        for module in self.layout.stage_modules(stage):
             for p in pieces:
                 if module not in p.entry.module_names:
                     continue
@@ -119,6 +122,26 @@ async def run_step(rig: Rig, seq: int, jobs: dict[int, CpuLoraJob], pool: CpuWor
             checked += rig.check(layer, stage, x, pieces)
     assert checked > 0
     return list(await asyncio.gather(*futures))
+
+
+def run_with_pool(rig: Rig, runtime_dir: Path, workers: int, scenario, *, start: bool = True) -> None:
+    """asyncio.run(scenario(pool)) with a pool of `workers` (started unless start=False), then stop
+    the pool and close the rig's segments, whatever happened."""
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        pool = CpuWorkerPool(ctx, runtime_dir, num_workers=workers)
+        try:
+            if start:
+                await pool.start()
+            await scenario(pool)
+        finally:
+            await pool.stop()
+            ctx.term()
+
+    try:
+        asyncio.run(main())
+    finally:
+        rig.close()
 
 
 def worker_pids(pool: CpuWorkerPool) -> list[int]:
@@ -217,6 +240,25 @@ def test_round_trip_two_workers_many_adapters(no_shm_leftovers: str, runtime_dir
         rig.close()
 
 
+@pytest.mark.parametrize("gate", [True, False])
+def test_fused_projections_round_trip(no_shm_leftovers: str, runtime_dir: Path, gate: bool) -> None:
+    """Phi-3's qkv_proj and gate_up_proj (gate=True), GPT-2's MLP without gate: the workers compute
+    each fused module's delta whole, into the slot the model's module shapes give it."""
+    shapes = {"qkv_proj": (64, 64 + 2 * 32), "o_proj": (64, 64)}
+    shapes.update({"gate_up_proj": (64, 2 * 96)} if gate else {"up_proj": (64, 96)})
+    rig = Rig(no_shm_leftovers, shapes={**shapes, "down_proj": (96, 64)})
+    every = rig.store.add_random("all-r8", 8, list(rig.layout.module_names), rig.layout, dtype="bfloat16", seed=5)
+    attn = rig.store.add_random("qkv-r4", 4, ["qkv_proj"], rig.layout, seed=6)
+
+    async def scenario(pool: CpuWorkerPool) -> None:
+        step = {0: rig.job(1, 1, [Assignment(0, 9, every, 2.0)]),
+                1: rig.job(2, 1, [Assignment(9, 5, attn, 0.5), Assignment(14, 4, every, 1.0, cpu_layers=1)])}
+        done = await run_step(rig, 1, step, pool, rows=18)
+        assert all(d.sites == 4 * LAYERS for d in done)
+
+    run_with_pool(rig, runtime_dir, 2, scenario)
+
+
 def test_killed_and_stalled_workers_fail_fast_and_restart(no_shm_leftovers: str, runtime_dir: Path) -> None:
     rig = Rig(no_shm_leftovers)
     a = rig.adapters
@@ -279,20 +321,11 @@ def test_killed_and_stalled_workers_fail_fast_and_restart(no_shm_leftovers: str,
 def test_submit_to_a_stopped_pool_is_unavailable(runtime_dir: Path, no_shm_leftovers: str) -> None:
     rig = Rig(no_shm_leftovers)
 
-    async def scenario() -> None:
-        ctx = zmq.asyncio.Context()
-        pool = CpuWorkerPool(ctx, runtime_dir, num_workers=1)
-        try:
-            with pytest.raises(CpuWorkerError, match="unavailable"):
-                await pool.submit(0, rig.job(1, 1, [Assignment(0, 1, rig.adapters["qv-r8"], 1.0)]))
-        finally:
-            await pool.stop()
-            ctx.term()
+    async def scenario(pool: CpuWorkerPool) -> None:
+        with pytest.raises(CpuWorkerError, match="unavailable"):
+            await pool.submit(0, rig.job(1, 1, [Assignment(0, 1, rig.adapters["qv-r8"], 1.0)]))
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        rig.close()
+    run_with_pool(rig, runtime_dir, 1, scenario, start=False)
 
 
 def test_pool_and_calibration_import_without_torch() -> None:
@@ -316,7 +349,7 @@ def test_default_cores_leave_room_for_daemon_and_engine(monkeypatch: pytest.Monk
 
 
 def test_job_validation(no_shm_leftovers: str) -> None:
-    layout = exchange_layout(segment_name(no_shm_leftovers, "exchange"), 2, 64, 64, 32, 96, 16)
+    layout = exchange_layout(segment_name(no_shm_leftovers, "exchange"), 2, llama_module_shapes(64, 64, 32, 96), 16)
     from loraplex.ipc.adapter_store import store_entry_layout
     from loraplex.ipc.codec import decode, encode
     from loraplex.ipc.protocol import CpuJobSlice
@@ -336,6 +369,8 @@ def test_job_validation(no_shm_leftovers: str) -> None:
         {"slices": [CpuJobSlice(10, 7, entry, 1.0)]},  # past max_tokens
         {"slices": [CpuJobSlice(0, 1, store_entry_layout("a", 8, {"q_proj": (64, 32)}, 2, "float32").at(0), 1.0)]},
         {"slices": [CpuJobSlice(0, 1, store_entry_layout("a", 8, {"q_proj": (64, 64)}, 3, "float32").at(0), 1.0)]},
+        # a module this model has no slot for (Llama's exchange, a fused qkv_proj)
+        {"slices": [CpuJobSlice(0, 1, store_entry_layout("a", 8, {"qkv_proj": (64, 128)}, 2, "float32").at(0), 1.0)]},
     ]
     fields = {f: getattr(good, f) for f in good.__dataclass_fields__}
     for change in bad_cases:

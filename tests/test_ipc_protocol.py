@@ -56,7 +56,7 @@ from loraplex.ipc.protocol import (
 from loraplex.ipc.adapter_store import store_entry_layout
 from loraplex.ipc.engine_plan import (AdapterPlacement, GrammarOrder, RowPlan, RowResult, SamplingSpec, StepPlan,
                                       StepResult)
-from loraplex.ipc.exchange import exchange_layout
+from loraplex.ipc.exchange import exchange_layout, llama_module_shapes
 from loraplex.ipc.plan_delta import PlanEncoder
 from loraplex.ipc.protocol import (
     CacheHello,
@@ -74,7 +74,7 @@ from loraplex.ipc.protocol import (
     GrammarWorkerHello,
 )
 
-_EXCHANGE = exchange_layout("/lpx-0123456789ab-exchange", 2, 64, 64, 32, 96, 16)
+_EXCHANGE = exchange_layout("/lpx-0123456789ab-exchange", 2, llama_module_shapes(64, 64, 32, 96), 16)
 _ENTRY = store_entry_layout("sql", 8, {"q_proj": (64, 64), "down_proj": (96, 64)}, 2, "bfloat16").at(4096)
 
 TIMINGS = {"queue_ms": 1.5, "ttft_ms": 20.25, "tpt_ms": 7.0, "e2e_ms": 90.0, "adapter_path": "cpu_assisted"}
