@@ -155,7 +155,7 @@ def test_a_second_serve_on_a_busy_runtime_directory_is_one_line(busy, tmp_path) 
 def test_an_unsupported_model_type_is_one_line(tmp_path) -> None:
     model = tmp_path / "model"
     model.mkdir()
-    kind = random.choice(["gpt2", "falcon", "mamba"])
+    kind = random.choice(["bloom", "falcon", "mamba"])
     (model / "config.json").write_text(json.dumps({"model_type": kind, "hidden_size": 64}))
     env = {**os.environ, "LORAPLEX_RUNTIME_DIR": str(tmp_path / "rt"), "LORAPLEX_STATE_DIR": str(tmp_path / "state")}
     proc = _serve("serve", "--model", str(model), env=env)
