@@ -12,7 +12,7 @@ import bisect
 import dataclasses
 from dataclasses import dataclass
 
-from loraplex.ipc.exchange import MODULE_STAGE
+from loraplex.ipc.exchange import MODULE_STAGE, ExchangeModule
 from loraplex.ipc.shm import DTYPE_SIZES, HEADER_BYTES, Region
 
 # Canonical module order inside a layer (the order of the GPU pool and the PEFT targets).
@@ -40,19 +40,9 @@ def store_segment_size(capacity_bytes: int) -> int:
     return STORE_ARENA_BASE + capacity_bytes - capacity_bytes % EXTENT_ALIGN
 
 
-@dataclass(frozen=True, slots=True)
-class StoreModule:
-    """One target module of a stored adapter: A is [rank, in_features], B^T [rank, out_features]."""
-
-    name: str
-    in_features: int
-    out_features: int
-
-    def __post_init__(self) -> None:
-        if self.name not in MODULE_ORDER:
-            raise ValueError(f"unknown target module {self.name!r}; expected one of {MODULE_ORDER}")
-        _positive(f"{self.name} in_features", self.in_features)
-        _positive(f"{self.name} out_features", self.out_features)
+# One target module of a stored adapter (A is [rank, in_features], B^T [rank, out_features]): the
+# same record, with the same checks, as a module's slot in the CPU workers' exchange.
+StoreModule = ExchangeModule
 
 
 @dataclass(frozen=True, slots=True)

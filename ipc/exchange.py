@@ -58,7 +58,9 @@ def _positive(name: str, value: object) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ExchangeModule:
-    """One target module's slot: its x is its stage's region, its deltas [T, out_features]."""
+    """One target module and its widths: in the exchange, its x is its stage's region and its deltas
+    [T, out_features]; in the host store (adapter_store.StoreModule), A is [rank, in_features] and
+    B^T [rank, out_features]."""
 
     name: str
     in_features: int
@@ -66,8 +68,7 @@ class ExchangeModule:
 
     def __post_init__(self) -> None:
         if self.name not in MODULE_STAGE:
-            raise ValueError(f"exchange module {self.name!r} is not a target module; expected one of "
-                             f"{tuple(MODULE_STAGE)}")
+            raise ValueError(f"unknown target module {self.name!r}; expected one of {tuple(MODULE_STAGE)}")
         _positive(f"{self.name} in_features", self.in_features)
         _positive(f"{self.name} out_features", self.out_features)
 
