@@ -170,10 +170,13 @@ def measure_stub_steps(batch: int, context: int, step_ms: float, decode_steps: i
                        env: dict[str, str]) -> dict:
     """B requests of C-token prompts at once against the sleeping stub engine process; what the
     decode steps with all B rows cost (each request decodes until the last one's prefill is done
-    and then `decode_steps` more)."""
+    and then at least `decode_steps` more; the first `decode_steps` of them are measured)."""
     import random
 
-    decode_tokens = decode_steps + -(-batch * context // STUB_MAX_BATCHED_TOKENS) + 2
+    # Twice the steps asked for: the B requests reach the engine over a few steps (more on a loaded
+    # host), and the full-batch steps are only those after the last one's prefill; the first
+    # `decode_steps` of them are measured.
+    decode_tokens = 2 * decode_steps + -(-batch * context // STUB_MAX_BATCHED_TOKENS) + 2
 
     with tempfile.TemporaryDirectory(prefix="lpx-bench-") as tmp:
         rt, stats_path = Path(tmp) / "rt", Path(tmp) / "stub-stats.json"
@@ -200,6 +203,7 @@ def measure_stub_steps(batch: int, context: int, step_ms: float, decode_steps: i
     full = [i for i, rows in enumerate(stats["decode_rows"]) if rows == batch]
     if not full:
         raise RuntimeError("the stub engine saw no two decode steps of the whole batch in a row")
+    full = full[:decode_steps]
     intervals = [stats["decode_intervals_ms"][i] for i in full]
     interval = percentile(intervals, 0.5)
     return {"loop": loop, "batch": batch, "context": context, "step_ms": step_ms, "decode_steps": len(intervals),
