@@ -173,7 +173,9 @@ class CpuWorker:
             entry = piece.entry
             rows = slice(piece.token_start, piece.token_end)
             for module in entry.modules:
-                stage = MODULE_STAGE[module.name]
+                stage = MODULE_STAGE.get(module.name)
+                if stage is None:
+                    continue  # embed_tokens / lm_head: the engine applies their LoRA itself
                 a = store.block(job.arena_base + entry.a_offset(layer, module.name), entry.rank,
                                 module.in_features, entry.dtype)
                 bt = store.block(job.arena_base + entry.b_offset(layer, module.name), entry.rank,

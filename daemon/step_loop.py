@@ -229,7 +229,11 @@ class StepLoop:
         """Give cold adapters' prefill rows CPU layers (cpu_assist); record the step."""
         cpu = self.engines.cpu
         if cpu is not None and plan.merged_adapter is None:
-            plan = await cpu.prepare(plan, self.adapters)
+            try:
+                plan = await cpu.prepare(plan, self.adapters)
+            except Exception:  # never stall the loop: the engine computes every row's LoRA itself
+                log.exception("engine %d: CPU-assisted prefill could not be planned; step %d runs without it",
+                              self.slot.index, plan.step_id)
         self.requests.note_scheduled(plan, sched.waited_for_adapter)
         self.stats.placed(len(plan.place), len(plan.evict))
         if self.decisions is not None:

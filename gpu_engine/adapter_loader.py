@@ -20,7 +20,7 @@ import torch
 
 from loraplex.contracts.layer_groups import layer_groups
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
-from loraplex.gpu_engine.lora.torch_backend import ResidentLora, copy_adapter_layers
+from loraplex.gpu_engine.lora.torch_backend import ResidentLora, copy_adapter_layers, copy_head_parts
 from loraplex.gpu_engine.pool import UnifiedPool
 
 
@@ -103,18 +103,24 @@ class AdapterLoader:
         # The copy stream must not overtake the compute that last used these pages (evicted owner).
         self.copy_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.copy_stream):
-            for part in load.groups:
-                load.bytes_copied += copy_adapter_layers(self.pool, adapter, resident, part)
+            for g, part in enumerate(load.groups):
+                load.bytes_copied += self._copy_group(adapter, resident, g, part)
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
                 load.ready.append(event)
         self.total_bytes += load.bytes_copied
 
+    def _copy_group(self, adapter: HostAdapter, resident: ResidentLora, g: int, part: range) -> int:
+        """Group g's layers; the first group also carries every layer's part of embed_tokens / lm_head
+        (the embedding runs before layer 0, so it waits for group 0 only)."""
+        copied = copy_head_parts(self.pool, adapter, resident) if g == 0 else 0
+        return copied + copy_adapter_layers(self.pool, adapter, resident, part, heads=False)
+
     def _copy_cpu(self, adapter: HostAdapter, resident: ResidentLora, load: GroupLoad,
                   arrivals: list[float] | None) -> None:
         try:
             for g, part in enumerate(load.groups):
-                load.bytes_copied += copy_adapter_layers(self.pool, adapter, resident, part)
+                load.bytes_copied += self._copy_group(adapter, resident, g, part)
                 if arrivals is not None:
                     remaining = arrivals[g] - time.perf_counter()
                     if remaining > 0:

@@ -82,8 +82,11 @@ class CacheManager:
             return EngineFailure(code=exc.code, message=str(exc), subject=name)
         except OSError as exc:
             return EngineFailure(code=ErrorCode.INVALID_ADAPTER.value, message=str(exc), subject=name)
-        shapes = self.config.module_shapes()
-        pages = self.split.adapter_layout(self.geometry, adapter.spec.targets, adapter.spec.rank).num_pages
+        shapes = self.config.adapter_shapes()
+        try:
+            pages = self.split.adapter_layout(self.geometry, adapter.spec.targets, adapter.spec.rank).num_pages
+        except ValueError as exc:  # a target the engine's ranks do not split (lm_head, embed_tokens)
+            return EngineFailure(code=ErrorCode.INVALID_ADAPTER.value, message=f"adapter {name}: {exc}", subject=name)
         try:
             entry = self.store.put(adapter, shapes, self.config.num_layers)
         except StoreFull:

@@ -141,10 +141,16 @@ class EngineOrders:
         entry = None
         if self.store is not None:
             try:
-                entry = self.store.put(adapter, cfg.module_shapes(), cfg.num_layers)
+                entry = self.store.put(adapter, cfg.adapter_shapes(), cfg.num_layers)
             except RuntimeError as exc:
                 return EngineFailure(code=ErrorCode.OVERLOADED.value, message=str(exc), subject=msg.name)
-        layout = executor.add_host_adapter(adapter)
+        try:
+            layout = executor.add_host_adapter(adapter)
+        except ValueError as exc:  # a target the engine's ranks do not split (lm_head, embed_tokens)
+            if entry is not None:
+                self.store.remove(msg.name)
+            return EngineFailure(code=ErrorCode.INVALID_ADAPTER.value, message=f"adapter {msg.name}: {exc}",
+                                 subject=msg.name)
         return EngineAdapterLoaded(name=msg.name, rank=adapter.spec.rank, target_modules=list(adapter.spec.targets),
                                    num_pages=layout.num_pages, nbytes=adapter.nbytes, store_entry=entry,
                                    scaling=adapter.spec.scaling)

@@ -147,6 +147,7 @@ class Executor:
             scored, targets = self._scoring(ordered)
             if scored:
                 batch.score_tokens = self._tensor([i for r in scored for i in range(r.first, r.first + r.count)])
+            batch.sample_heads = self._head_segments([(r.adapter, int(r.sample)) for r in ordered])
             logits = self.model.forward(batch, self.pool)
         cpu = batch.cpu if batch is not None else None
         # On CUDA the forward is only enqueued: the watchdog must follow the CPU sites before anything syncs.
@@ -156,8 +157,15 @@ class Executor:
         rows = self.sampler.sample(logits, ordered, sampled_rows) if self.split.samples else []
         prompt = []
         if batch is not None and batch.scored_hidden is not None:  # every rank: the LM head may be a collective
-            prompt = score(self.model.logits, batch.scored_hidden, self._tensor(targets), scored,
-                           self.cfg.vocab_size)
+            heads = self._head_segments([(r.adapter, max(r.prompt_scored, 0)) for r in ordered])
+
+            def logits_of(hidden: torch.Tensor, start: int) -> torch.Tensor | None:
+                end = start + hidden.shape[0]
+                chunk = [(max(a, start) - start, min(b, end) - start, lora)
+                         for a, b, lora in heads if a < end and b > start]
+                return self.model.logits(hidden, self.pool, chunk)
+
+            prompt = score(logits_of, batch.scored_hidden, self._tensor(targets), scored, self.cfg.vocab_size)
         t2 = time.perf_counter()
         if watchdog is not None:
             watchdog.join()
@@ -182,8 +190,8 @@ class Executor:
         decode rows only, no CPU-run layers, and no adapter whose layer groups are still arriving
         (those steps overlap compute with the copies, layer by layer, which a replay cannot)."""
         if self.graphs is None or (plan.cpu is not None and any(r.cpu_layers for r in rows)) \
-                or any(r.prompt_scored for r in rows):  # prompt logprobs need more than one position's logits
-            return None
+                or any(r.prompt_scored for r in rows) or self.merge.untied:
+            return None  # prompt logprobs need more than one position's logits
         loras: list[ResidentLora | None] = []
         for row in rows:
             if row.adapter is None:
@@ -191,10 +199,27 @@ class Executor:
                 continue
             lora = self.resident.get(row.adapter)
             load = self.loads.get(row.adapter)
-            if lora is None or (load is not None and not load.done()):
-                return None  # unplaced adapters take the eager path, which explains the error
+            if lora is None or (load is not None and not load.done()) or lora.heads:
+                return None  # unplaced adapters take the eager path, which explains the error; and LoRA
+                # on the embedding or the LM head is applied outside the captured layers' kernels
             loras.append(lora)
         return loras if self.graphs.accepts(rows, loras) else None
+
+    def _head_segments(self, counts: list[tuple[str | None, int]]) -> list[tuple[int, int, ResidentLora]]:
+        """Where LoRA on the LM head applies in a list of rows' outputs, where row i (its adapter,
+        and how many outputs it has there: 1 sampled, or its scored positions) takes counts[i]:
+        (first, end, adapter) for each run of outputs of an adapter adapting lm_head."""
+        segments: list[tuple[int, int, ResidentLora]] = []
+        at = 0
+        for adapter, n in counts:
+            lora = self.resident.get(adapter) if adapter is not None else None
+            if n and lora is not None and "lm_head" in lora.heads:
+                if segments and segments[-1][2] is lora and segments[-1][1] == at:
+                    segments[-1] = (segments[-1][0], at + n, lora)
+                else:
+                    segments.append((at, at + n, lora))
+            at += n
+        return segments
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

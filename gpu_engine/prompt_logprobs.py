@@ -53,13 +53,14 @@ def scored_positions(row: RowPlan, first: int) -> tuple[ScoredRow, list[int]] | 
 
 
 @torch.inference_mode()
-def score(logits_of: Callable[[torch.Tensor], torch.Tensor | None], hidden: torch.Tensor, targets: torch.Tensor,
+def score(logits_of: Callable[[torch.Tensor, int], torch.Tensor | None], hidden: torch.Tensor, targets: torch.Tensor,
           rows: list[ScoredRow], vocab_size: int, *, chunk_rows: int | None = None) -> list[PromptLogprobChunk]:
     """hidden: [P, hidden] final (normed) states of the scored positions, rows in order; targets:
-    [P] int64, the prompt token each scores. logits_of maps a chunk of states to float32 logits
-    [c, vocab_size] (None on a tensor-parallel rank that does not sample: it still joins each
-    chunk's collective, so every rank cuts the same chunks, and gets no result). chunk_rows: rows
-    per chunk (default: as many as MAX_CHUNK_ELEMS logits hold)."""
+    [P] int64, the prompt token each scores. logits_of maps a chunk of states and the index of its
+    first row in `hidden` (LoRA on the LM head differs per row) to float32 logits [c, vocab_size]
+    (None on a tensor-parallel rank that does not sample: it still joins each chunk's collective,
+    so every rank cuts the same chunks, and gets no result). chunk_rows: rows per chunk (default:
+    as many as MAX_CHUNK_ELEMS logits hold)."""
     total = hidden.shape[0]
     if total == 0 or not rows:
         return []
@@ -67,7 +68,7 @@ def score(logits_of: Callable[[torch.Tensor], torch.Tensor | None], hidden: torc
     k = max(r.k for r in rows)
     logprobs, ranks, top_values, top_ids = [], [], [], []
     for start in range(0, total, step):
-        logits = logits_of(hidden[start:start + step])  # [c, vocab] float32
+        logits = logits_of(hidden[start:start + step], start)  # [c, vocab] float32
         if logits is None:
             continue
         logp = torch.log_softmax(logits, dim=-1)

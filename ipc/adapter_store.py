@@ -12,12 +12,13 @@ import bisect
 import dataclasses
 from dataclasses import dataclass
 
-from loraplex.ipc.exchange import MODULE_STAGE, ExchangeModule
+from loraplex.ipc.exchange import ADAPTER_MODULES, ExchangeModule
 from loraplex.ipc.shm import DTYPE_SIZES, HEADER_BYTES, Region
 
 # Canonical module order inside a layer (the order of the GPU pool and the PEFT targets).
 # Fused qkv_proj / gate_up_proj (Phi-3, GPT-2) sit where their parts would; a model has one or the other.
-MODULE_ORDER: tuple[str, ...] = tuple(MODULE_STAGE)
+# embed_tokens and lm_head last: each layer holds its part of them (contracts/head_modules.py).
+MODULE_ORDER: tuple[str, ...] = ADAPTER_MODULES
 EXTENT_ALIGN = 256  # every arena extent starts on 256 bytes (vector loads, DMA)
 BLOCK_ALIGN = 64  # every A and B^T block inside an entry starts on a cache line
 # Where the arena starts in the store segment: one page after the owner header.

@@ -23,6 +23,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+from loraplex.contracts.head_modules import HEAD_MODULES
 from loraplex.ipc.shm import HEADER_BYTES, Region, SharedSegment, ShmError, check_segment_name
 
 # Stage s of a layer: what x holds, and which target modules read it. The one
@@ -36,6 +37,9 @@ MODULE_STAGE: dict[str, int] = {
     "down_proj": 3,                                        # x = act(gate) * up, or act(up) [T, intermediate]
 }
 MAX_MODULES = len(MODULE_STAGE)
+# Every module an adapter may target: the stages' modules, then the embedding and the LM head
+# (no stage: the engine applies their LoRA itself, never the CPU workers).
+ADAPTER_MODULES: tuple[str, ...] = (*MODULE_STAGE, *HEAD_MODULES)
 
 CACHE_LINE = 64
 REGION_ALIGN = 4096  # data regions start on pages: DMA-friendly, and no false sharing between regions
@@ -60,15 +64,15 @@ def _positive(name: str, value: object) -> None:
 class ExchangeModule:
     """One target module and its widths: in the exchange, its x is its stage's region and its deltas
     [T, out_features]; in the host store (adapter_store.StoreModule), A is [rank, in_features] and
-    B^T [rank, out_features]."""
+    B^T [rank, out_features] (a head module's part per layer, there only)."""
 
     name: str
     in_features: int
     out_features: int
 
     def __post_init__(self) -> None:
-        if self.name not in MODULE_STAGE:
-            raise ValueError(f"unknown target module {self.name!r}; expected one of {tuple(MODULE_STAGE)}")
+        if self.name not in ADAPTER_MODULES:
+            raise ValueError(f"unknown target module {self.name!r}; expected one of {ADAPTER_MODULES}")
         _positive(f"{self.name} in_features", self.in_features)
         _positive(f"{self.name} out_features", self.out_features)
 
@@ -100,6 +104,8 @@ class ExchangeLayout:
         names = [m.name for m in self.modules]
         if len(set(names)) != len(names):
             raise ValueError(f"exchange layout modules repeat a name: {names}")
+        if not set(names) <= set(MODULE_STAGE):
+            raise ValueError(f"exchange layout modules must be stage modules {tuple(MODULE_STAGE)}, got {names}")
         if [MODULE_STAGE[n] for n in names] != sorted(MODULE_STAGE[n] for n in names):
             raise ValueError(f"exchange layout modules must be in stage order, got {names}")
         for stage, stage_name in enumerate(STAGES):

@@ -70,3 +70,23 @@ class DaemonProcess:
                 self.proc.wait()
                 raise
         return self.proc.returncode
+
+
+def cpu_assisted_greedy(root: Path, model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
+                        names: list[str | None], max_tokens: int, *,
+                        throttle_bytes_s: str = "3e6") -> tuple[list, dict]:
+    """Greedy completions of `prompts` (row i with adapter names[i]) from a daemon with CPU workers
+    computing the early layers' LoRA while a throttled load streams in; (results, the stats after)."""
+    args = [arg for name in sorted(set(names) - {None}) for arg in ("--adapter", f"{name}={adapters[name]}")]
+    root.mkdir()
+    proc = DaemonProcess(root, "--model", str(model_dir), "--adapter-load-mode", "cpu_assist", "--cpu-workers", "2",
+                         *args, env={"LORAPLEX_MODEL_LOAD_THROTTLE_BYTES_S": throttle_bytes_s})
+    proc.start()
+    try:
+        with proc.client() as client:
+            got = [client.generate(p, adapter=a, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=120)
+                   for p, a in zip(prompts, names)]
+            stats = client.stats()
+    finally:
+        assert proc.stop() == 0, proc.log()
+    return got, stats

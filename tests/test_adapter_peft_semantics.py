@@ -5,7 +5,7 @@ fan_in_fan_out, odd ranks, rsLoRA and a pickled adapter_model.bin, served in one
 mixed batch with a base row and compared with transformers + PEFT (greedy tokens
 equal, chosen logprobs within 1e-3). Then the refusals: a .bin that is not a
 tensor state dict, a pickle that would run code (it must not), an oversized .bin,
-targets without tensors, tensors outside the targets, lm_head, DoRA.
+targets without tensors, tensors outside the targets, DoRA, modules_to_save.
 """
 from __future__ import annotations
 
@@ -159,10 +159,8 @@ def test_targets_and_tensors_must_agree(model_dir, tmp_path):
         _load(model_dir, path)
 
 
-def test_lm_head_and_trained_extras_are_refused_with_what_to_do(model_dir, tmp_path):
-    path = write_peft_adapter(model_dir, tmp_path / "head", 6, r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"])
-    with pytest.raises(AdapterError, match=r"lm_head \(the output layer\) is not served"):
-        _load(model_dir, path)
+def test_trained_extras_are_refused_with_what_to_do(model_dir, tmp_path):
+    """(LoRA on lm_head is served: tests/test_head_lora.py.)"""
     path = write_peft_adapter(model_dir, tmp_path / "dora", 7, r=4, lora_alpha=8, target_modules=["q_proj"],
                               use_dora=True)
     with pytest.raises(AdapterError, match="DoRA.*merge_and_unload"):

@@ -89,7 +89,7 @@ def test_store_entry_errors() -> None:
     with pytest.raises(IndexError):
         placed.layer_span(1, 1)
     with pytest.raises(ValueError, match="unknown target"):
-        store_entry_layout("a", 4, {"lm_head": (8, 8)}, 2, "float32")
+        store_entry_layout("a", 4, {"score": (8, 8)}, 2, "float32")
     with pytest.raises(ValueError, match="dtype"):
         store_entry_layout("a", 4, {"q_proj": (8, 8)}, 2, "int8")
     for bad in ({"rank": 0}, {"num_layers": 0}, {"modules": []}, {"itemsize": 2}, {"offset": -2}, {"name": ""}):

@@ -458,7 +458,7 @@ def test_daemon_cpu_assist_serves_the_offline_tokens(tmp_path, family):
     Phi-3's fused qkv_proj / gate_up_proj, GPT-2's fused c_attn and MLP without gate): the offline
     API's tokens."""
     from loraplex.gpu_engine.demo import ensure_demo_model
-    from tests.daemon_process import DaemonProcess
+    from tests.daemon_process import cpu_assisted_greedy
 
     demo = ensure_demo_model(tmp_path / "demo", family=family)
     names = ["all-r32", "mlp-r64", None, "qv-r8"]
@@ -469,18 +469,7 @@ def test_daemon_cpu_assist_serves_the_offline_tokens(tmp_path, family):
         llm.add_adapter(name, demo.adapters[name])
     expected = llm.generate(prompts, adapters=names, sampling=SamplingParams(max_tokens=6, temperature=0.0,
                                                                               ignore_eos=True))
-    adapters = [arg for name in set(names) - {None} for arg in ("--adapter", f"{name}={demo.adapters[name]}")]
-    (tmp_path / "d").mkdir()
-    proc = DaemonProcess(tmp_path / "d", "--model", str(demo.model_dir), "--adapter-load-mode", "cpu_assist",
-                         "--cpu-workers", "2", *adapters, env={"LORAPLEX_MODEL_LOAD_THROTTLE_BYTES_S": "3e6"})
-    proc.start()
-    try:
-        with proc.client() as client:
-            got = [client.generate(p, adapter=a, max_tokens=6, temperature=0.0, ignore_eos=True, timeout=120)
-                   for p, a in zip(prompts, names)]
-            stats = client.stats()
-    finally:
-        assert proc.stop() == 0, proc.log()
+    got, stats = cpu_assisted_greedy(tmp_path / "d", demo.model_dir, demo.adapters, prompts, names, 6)
     assert [r.token_ids for r in got] == [e.token_ids for e in expected]
     assert "cpu_assisted" in [r.timings["adapter_path"] for r in got], stats.get("cpu_assist")
     # the workers computed those rows' deltas (no site fell back to the engine's own host computation)

@@ -108,7 +108,7 @@ def test_missing_files(llm, baseline, demo, tmp_path):
     ({"layers_to_transform": [0]}, "does not select"),  # served, but the file holds every layer
     ({"rank_pattern": {"q_proj": 4}}, "shape"),  # served, but the file's q_proj tensors are rank 8
     ({"peft_type": "IA3"}, "peft_type"),
-    ({"target_modules": ["q_proj", "lm_head"]}, "lm_head .the output layer. is not served"),
+    ({"target_modules": ["q_proj", "score"]}, "score .the output layer. is not served"),
 ])
 def test_unsupported_adapter_features(llm, baseline, demo, tmp_path, extra, message):
     path = tmp_path / "bad"

@@ -47,7 +47,8 @@ def test_chunked_scoring_equals_one_pass(chunk_rows):
             scoring.ScoredRow("c", 11, 12, 7, 2)]
     calls: list[int] = []
 
-    def logits_of(h: torch.Tensor) -> torch.Tensor:
+    def logits_of(h: torch.Tensor, start: int) -> torch.Tensor:
+        assert torch.equal(h, states[start:start + h.shape[0]])  # each chunk says where it starts
         calls.append(h.shape[0])
         return h @ weight.T
 
@@ -83,7 +84,7 @@ def test_default_chunk_bounds_the_logits_held():
     states = torch.zeros(3 * rows + 5, 4)
     seen: list[int] = []
 
-    def logits_of(h: torch.Tensor) -> torch.Tensor:
+    def logits_of(h: torch.Tensor, start: int) -> torch.Tensor:
         seen.append(h.shape[0])
         return torch.zeros(h.shape[0], vocab)
 
@@ -96,15 +97,16 @@ def test_default_chunk_bounds_the_logits_held():
 
 def test_a_rank_without_logits_scores_nothing_but_joins_every_chunk():
     calls = []
-    out = scoring.score(lambda h: calls.append(h.shape[0]), torch.zeros(10, 4), torch.zeros(10, dtype=torch.int64),
+    out = scoring.score(lambda h, start: calls.append(h.shape[0]), torch.zeros(10, 4),
+                        torch.zeros(10, dtype=torch.int64),
                         [scoring.ScoredRow("r", 0, 10, 0, 3)], 8, chunk_rows=4)
     assert out == [] and calls == [4, 4, 2]
 
 
 def test_non_finite_logprobs_are_floored():
     logits = torch.tensor([[0.0, float("nan")], [0.0, float("-inf")]])
-    out = scoring.score(lambda h: logits, torch.zeros(2, 1), torch.tensor([1, 1]), [scoring.ScoredRow("r", 0, 2, 0, 0)],
-                        2)
+    out = scoring.score(lambda h, start: logits, torch.zeros(2, 1), torch.tensor([1, 1]),
+                        [scoring.ScoredRow("r", 0, 2, 0, 0)], 2)
     assert out[0].logprobs == [scoring.LOGPROB_FLOOR, scoring.LOGPROB_FLOOR]
 
 

@@ -24,8 +24,10 @@ from safetensors.torch import load as load_safetensors_bytes
 
 from loraplex.errors import AdapterError, AdapterRankError, ForbiddenAdapterPathError
 from loraplex.gpu_engine.lora.adapter_bin import load_adapter_bin
-from loraplex.gpu_engine.lora.peft_targets import TargetPlan, check_tensor_table, resolve_targets
+from loraplex.contracts.head_modules import EMBED
+from loraplex.gpu_engine.lora.peft_targets import HEAD_LAYER, TargetPlan, check_tensor_table, resolve_targets
 from loraplex.gpu_engine.model.config import ModelConfig
+from loraplex.gpu_engine.model.weights import read_top_tensor
 from loraplex.ipc.adapter_files import (
     ADAPTER_BIN,
     ADAPTER_WEIGHTS,
@@ -76,7 +78,8 @@ def scaling(alpha: float, rank: int, use_rslora: bool) -> float:
 @dataclass(slots=True)
 class HostAdapter:
     """An adapter in host memory: `a[layer][module]` is [r, in], `b[layer][module]` is [out, r]
-    for every layer and every module of spec.targets (zeros where the adapter does not cover it)."""
+    for every layer and every module of spec.targets (zeros where the adapter does not cover it);
+    for embed_tokens / lm_head, each layer's part of them (contracts/head_modules.py)."""
 
     name: str
     path: Path
@@ -160,20 +163,32 @@ def _place(name: str, path: Path, model: ModelConfig, spec: AdapterSpec, plan: T
     Zero padding rather than per-layer presence: the pool, host store and backends lay an adapter
     out as the same modules at the same rank in every layer."""
     shapes = model.module_shapes()
-    a: list[dict[str, torch.Tensor]] = [{} for _ in range(model.num_layers)]
-    b: list[dict[str, torch.Tensor]] = [{} for _ in range(model.num_layers)]
-    for layer in range(model.num_layers):
-        for module in spec.targets:
-            fan_in, fan_out = shapes[module]
-            own = plan.modules.get((layer, module))
-            ta = torch.zeros(spec.rank, fan_in, dtype=dtype)  # [R, in]
-            tb = torch.zeros(fan_out, spec.rank, dtype=dtype)  # [out, R]
-            if own is not None:
-                ta[:own.rank] = tensors[(layer, module, "A")]
-                factor = scaling(own.alpha, own.rank, spec.use_rslora) / spec.scaling
-                b_own = tensors[(layer, module, "B")]
-                tb[:, :own.rank] = b_own if factor == 1.0 else b_own.to(torch.float64) * factor
-            a[layer][module], b[layer][module] = ta, tb
+    heads = model.head_modules()
+    layers = model.num_layers
+    a: list[dict[str, torch.Tensor]] = [{} for _ in range(layers)]
+    b: list[dict[str, torch.Tensor]] = [{} for _ in range(layers)]
+
+    def padded(layer: int, module: str, fan_in: int, fan_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ta = torch.zeros(spec.rank, fan_in, dtype=dtype)  # [R, in]
+        tb = torch.zeros(fan_out, spec.rank, dtype=dtype)  # [out, R]
+        own = plan.modules.get((layer, module))
+        if own is not None:
+            ta[:own.rank, :tensors[(layer, module, "A")].shape[1]] = tensors[(layer, module, "A")]
+            factor = scaling(own.alpha, own.rank, spec.use_rslora) / spec.scaling
+            b_own = tensors[(layer, module, "B")]
+            tb[:b_own.shape[0], :own.rank] = b_own if factor == 1.0 else b_own.to(torch.float64) * factor
+        return ta, tb
+
+    for module in spec.targets:
+        head = heads.get(module)
+        if head is None:
+            for layer in range(layers):
+                a[layer][module], b[layer][module] = padded(layer, module, *shapes[module])
+            continue
+        # embed_tokens / lm_head: padded to every layer's part, layer l holding part l (head_modules.py)
+        ta, tb = padded(HEAD_LAYER, module, layers * head.a.per_layer, layers * head.b.per_layer)
+        for layer, (part_a, part_b) in enumerate(zip(ta.chunk(layers, dim=1), tb.chunk(layers, dim=0))):
+            a[layer][module], b[layer][module] = part_a.contiguous(), part_b.contiguous()
     return HostAdapter(name=name, path=path, spec=spec, a=a, b=b)
 
 
@@ -210,4 +225,20 @@ def load_peft_adapter(name: str, path: str | Path, model: ModelConfig, *, max_lo
     for (layer, module, kind), t in tensors.items():
         if not torch.isfinite(t).all():
             raise AdapterError(f"adapter {name}: {plan.paths[(layer, module)]}.lora_{kind} holds non-finite values")
+    _check_base_copies(name, model, {m: t for (_, m, kind), t in tensors.items() if kind == "W"})
     return _place(name, path, model, spec, plan, dtype, tensors)
+
+
+def _check_base_copies(name: str, model: ModelConfig, copies: dict[str, torch.Tensor]) -> None:
+    """peft saves a targeted embedding's / LM head's own weight beside its LoRA (save_embedding_layers):
+    served when it is the base model's (compared in the coarser of the two dtypes), refused when the
+    adapter trained or resized it, as the unmerged LoRA path cannot carry a second copy per adapter."""
+    for module, saved in copies.items():
+        if model.model_dir is None:
+            raise AdapterError(f"adapter {name}: it holds its own {module} weights, which can be checked against "
+                               "the base model's only when the model is read from a directory")
+        base = read_top_tensor(model.model_dir, model, "embed" if module == EMBED else "lm_head")
+        coarse = min((saved.dtype, base.dtype), key=lambda d: torch.finfo(d).bits)
+        if not torch.equal(saved.to(coarse), base.to(coarse)):
+            raise AdapterError(f"adapter {name}: its saved {module} weights differ from the base model's (the "
+                               f"adapter trained them, as with modules_to_save); {_MERGE}")

@@ -5,7 +5,8 @@ exact full path or "." + suffix, with layers_to_transform / layers_pattern; a st
 re.fullmatch'ed against the full path; "all-linear"; exclude_modules), per-module ranks and
 alphas (rank_pattern / alpha_pattern, as peft's get_pattern_key), and the check of a file's
 tensor names and shapes against that plan. Works only from ModelConfig's layer_prefix,
-module_paths and module_shapes, never from one architecture's names. Torch-free.
+module_paths, module_shapes and head_modules (embed_tokens, lm_head: layer HEAD_LAYER in a
+plan), never from one architecture's names. Torch-free.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from loraplex.contracts.head_modules import EMBED
 from loraplex.errors import AdapterError
 from loraplex.gpu_engine.model.config import ModelConfig
 
@@ -21,10 +23,16 @@ MAX_NAMES = 4096  # entries of target_modules, exclude_modules, rank_pattern, al
 _SHOWN = 160  # at most this many characters of a name in an error
 # A quantified group that itself holds a quantifier ("(a+)+", "(.*)*"): backtracks exponentially.
 _NESTED_QUANTIFIER = re.compile(r"\([^()]*[*+}][^()]*\)\s*[*+{]")
-_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>[\w.-]+?)\.lora_(?P<kind>[AB])(?:\.[\w-]+)?\.weight$")
+# A Linear's lora_A/B weight, or an Embedding's lora_embedding_A/B parameter (no ".weight")
+_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>[\w.-]+?)\.(?:lora_(?P<kind>[AB])(?:\.[\w-]+)?\.weight"
+                       r"|lora_embedding_(?P<embedding_kind>[AB])(?:\.[\w-]+)?)$")
+# peft's save_embedding_layers: the adapted embedding's / LM head's own weight, saved beside its LoRA
+_BASE_COPY = re.compile(r"^(?:base_model\.model\.)?(?P<path>[\w.-]+?)\.base_layer\.weight$")
 _ANY_LORA = re.compile(r"^(?:base_model\.model\.)?(?P<path>[\w.-]+?)\.lora_")
 
-# Modules a base model has that the engine applies no LoRA to yet, by their last name segment.
+HEAD_LAYER = -1  # the "layer" of embed_tokens and lm_head in a TargetPlan and a tensor table
+# Modules outside the decoder projections, by their last name segment: the engine applies no
+# LoRA to them, except a model's own embed_tokens and lm_head (ModelConfig.head_modules()).
 _UNSERVED = {
     "lm_head": "the output layer", "embed_out": "the output layer", "score": "the output layer",
     "embed_tokens": "the token embedding", "wte": "the token embedding", "embed_in": "the token embedding",
@@ -53,8 +61,8 @@ class TargetPlan:
 
 def unserved_kind(path: str) -> str | None:
     """What a base module outside the decoder projections is ("the output layer", ...), if the
-    engine serves no LoRA on it; None for a name it does not know. The one place to relax when
-    LoRA on lm_head / embed_tokens is served."""
+    engine serves no LoRA on it; None for a name it does not know (module_index's head paths are
+    looked up first)."""
     last = path.rsplit(".", 1)[-1]
     if last in _UNSERVED:
         return _UNSERVED[last]
@@ -64,15 +72,24 @@ def unserved_kind(path: str) -> str | None:
 def refuse_unserved(label: str, paths: list[str]) -> AdapterError:
     shown = ", ".join(f"{p[:_SHOWN]} ({unserved_kind(p)})" for p in sorted(set(paths))[:8])
     return AdapterError(
-        f"adapter {label}: LoRA on {shown} is not served (only the decoder layers' projections are); "
+        f"adapter {label}: LoRA on {shown} is not served (only the decoder layers' projections, the token "
+        "embedding and the output layer are); "
         "retrain without these target_modules, or merge the adapter into the base with peft's "
         "merge_and_unload() and serve the merged model")
 
 
 def module_index(model: ModelConfig) -> dict[str, tuple[int, str]]:
-    """Full module path ("model.layers.3.self_attn.q_proj") -> (layer, engine name)."""
+    """Full module path ("model.layers.3.self_attn.q_proj", "lm_head") -> (layer, engine name); the
+    embedding and the LM head are at layer HEAD_LAYER."""
     inner = model.module_paths()
-    return {f"{model.layer_prefix}.{i}.{p}": (i, name) for i in range(model.num_layers) for name, p in inner.items()}
+    index = {f"{model.layer_prefix}.{i}.{p}": (i, name) for i in range(model.num_layers) for name, p in inner.items()}
+    index.update({head.path: (HEAD_LAYER, name) for name, head in model.head_modules().items()})
+    return index
+
+
+def _selects(name: str, path: str) -> bool:
+    """Whether target_modules entry `name` selects the module at `path` (exact path or suffix)."""
+    return path == name or path.endswith("." + name)
 
 
 def _compile(label: str, field: str, pattern: object, template: str = "{}") -> re.Pattern[str]:
@@ -171,8 +188,10 @@ def _first(patterns: list[tuple[re.Pattern[str], float]], key: str, default: flo
 def resolve_targets(raw: dict, model: ModelConfig, label: str, rank: int, alpha: float) -> TargetPlan:
     """The projections `raw` (adapter_config.json) adapts in `model`, each with its own rank and alpha."""
     matches = _Matcher(raw, label)
+    heads = [head.path for head in model.head_modules().values()]
     if isinstance(raw.get("target_modules"), list):
-        unserved = [n for n in matches.names if unserved_kind(n) is not None]
+        unserved = [n for n in matches.names
+                    if unserved_kind(n) is not None and not any(_selects(n, path) for path in heads)]
         if unserved:
             raise refuse_unserved(label, unserved)
     ranks = _patterns(label, raw, "rank_pattern", integer=True)
@@ -180,6 +199,8 @@ def resolve_targets(raw: dict, model: ModelConfig, label: str, rank: int, alpha:
     modules: dict[tuple[int, str], ModuleLora] = {}
     paths: dict[tuple[int, str], str] = {}
     for path, where in module_index(model).items():
+        if where[0] == HEAD_LAYER and matches.all_linear:
+            continue  # peft's all-linear leaves out the output layer (and an embedding is no linear)
         if matches(path):
             modules[where] = ModuleLora(rank=int(_first(ranks, path, rank)), alpha=float(_first(alphas, path, alpha)))
             paths[where] = path
@@ -187,7 +208,7 @@ def resolve_targets(raw: dict, model: ModelConfig, label: str, rank: int, alpha:
         shown = str(raw.get("target_modules"))[:_SHOWN]
         raise AdapterError(f"adapter {label}: target_modules {shown} match no projection of this base model "
                            f"(modules are named like {next(iter(module_index(model)), '?')!r})")
-    order = list(model.module_shapes())
+    order = list(model.adapter_shapes())
     targets = tuple(sorted({name for _, name in modules}, key=order.index))
     return TargetPlan(modules=modules, targets=targets, rank=max(m.rank for m in modules.values()), paths=paths)
 
@@ -195,12 +216,27 @@ def resolve_targets(raw: dict, model: ModelConfig, label: str, rank: int, alpha:
 def check_tensor_table(label: str, file: str, shapes: dict[str, tuple[int, ...]], plan: TargetPlan,
                        model: ModelConfig) -> dict[str, tuple[int, str, str]]:
     """Each tensor name of the file -> (layer, engine name, "A" | "B"), its shape checked against its
-    module's rank and the model, every planned module holding both; before any tensor is read."""
+    module's rank and the model, every planned module holding both; before any tensor is read. A
+    targeted embedding's or LM head's own weight (peft saves it beside the LoRA) is kind "W": the
+    caller checks that it is the base model's."""
     index = module_index(model)
-    module_shapes = model.module_shapes()
+    module_shapes = {**model.module_shapes(), **{n: (h.fan_in, h.fan_out) for n, h in model.head_modules().items()}}
     found: dict[str, tuple[int, str, str]] = {}
     seen: set[tuple[int, str, str]] = set()
     for key, shape in shapes.items():
+        copy = _BASE_COPY.match(key)
+        if copy is not None and index.get(copy.group("path"), (None,))[0] == HEAD_LAYER:
+            where = index[copy.group("path")]
+            if where not in plan.modules:
+                raise AdapterError(f"adapter {label}: {file} holds {key[:_SHOWN]!r}, a copy of a module that "
+                                   "target_modules does not select")
+            if tuple(shape) != (model.vocab_size, model.hidden_size):
+                raise AdapterError(f"adapter {label}: {file} holds its own {where[1]} weights of shape {tuple(shape)}, "
+                                   f"the base model's are {(model.vocab_size, model.hidden_size)}: the adapter was "
+                                   "trained with a resized vocabulary; merge it into the base with peft's "
+                                   "merge_and_unload() and serve the merged model")
+            found[key] = (*where, "W")
+            continue
         m = _LORA_KEY.match(key)
         any_lora = m or _ANY_LORA.match(key)
         path = any_lora.group("path") if any_lora else key
@@ -210,7 +246,10 @@ def check_tensor_table(label: str, file: str, shapes: dict[str, tuple[int, ...]]
             raise AdapterError(f"adapter {label}: {file} holds tensor {key[:_SHOWN]!r}, which is not a LoRA A/B "
                                "weight of a projection of this base model")
         layer, name = index[path]
-        kind = m.group("kind")
+        kind = m.group("kind") or m.group("embedding_kind")
+        if (m.group("embedding_kind") is not None) != (name == EMBED):
+            raise AdapterError(f"adapter {label}: {file} holds tensor {key[:_SHOWN]!r}, which is not how peft names "
+                               f"the LoRA of {path} (lora_embedding_A/B on an embedding, lora_A/B elsewhere)")
         if (layer, name) not in plan.modules:
             raise AdapterError(f"adapter {label}: {file} holds tensor {key[:_SHOWN]!r} for {path}, which "
                                "target_modules (with layers_to_transform, exclude_modules) does not select")

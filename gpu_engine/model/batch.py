@@ -3,11 +3,11 @@ tokens of all rows, where their K/V go, each row's span and page table, and
 the adapter segments."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from loraplex.gpu_engine.lora.torch_backend import LoraGroup
+from loraplex.gpu_engine.lora.torch_backend import LoraGroup, ResidentLora
 
 
 @dataclass(slots=True)
@@ -40,3 +40,6 @@ class ForwardBatch:
     # `scored_hidden` [P, hidden] for gpu_engine/prompt_logprobs.py; None: no row asked.
     score_tokens: torch.Tensor | None = None  # [P]
     scored_hidden: torch.Tensor | None = None
+    # LoRA on the LM head: (first, end, adapter) of the sampled rows (of sample_tokens) per adapter
+    # whose LoRA adapts lm_head; () when none does.
+    sample_heads: list[tuple[int, int, ResidentLora]] = field(default_factory=list)

@@ -9,12 +9,14 @@ refused here with an error naming the field.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loraplex.contracts.head_modules import HeadModule, head_modules
 from loraplex.gpu_engine.model import families
 from loraplex.gpu_engine.model.families import SUPPORTED_MODEL_TYPES
 
@@ -81,6 +83,9 @@ class ModelConfig:
     lm_head_bias: bool = False
     weights_prefix: str = "model"  # the decoder's module path in the checkpoint
     skipped_prefixes: tuple[str, ...] = ()  # checkpoint tensors of other towers, read past (Gemma 3's vision)
+    # The checkpoint directory (from_dir): adapters that ship copies of its embedding or LM head
+    # (peft's save_embedding_layers) are checked against it.
+    model_dir: str | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`'s attention, None where it sees its whole context."""
@@ -148,6 +153,19 @@ class ModelConfig:
         shapes["down_proj"] = (i, h)
         return shapes
 
+    def head_modules(self) -> dict[str, HeadModule]:
+        """LoRA-targetable modules outside the layers (embed_tokens, lm_head), each spread over
+        the layers (contracts/head_modules.py)."""
+        paths = self.top_paths()
+        widest = max(max(shape) for shape in self.module_shapes().values())
+        return head_modules(hidden_size=self.hidden_size, vocab_size=self.vocab_size, num_layers=self.num_layers,
+                            widest_row=widest, embed_path=paths["embed"], lm_head_path=paths["lm_head"])
+
+    def adapter_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) per layer of everything an adapter may target: module_shapes(), then each head
+        module's part per layer. What the host store and the pool lay out."""
+        return {**self.module_shapes(), **{n: m.per_layer_shape for n, m in self.head_modules().items()}}
+
     @property
     def conv1d(self) -> bool:
         """Projections stored [in, out] (GPT-2's Conv1D), transposed at load."""
@@ -194,7 +212,7 @@ class ModelConfig:
             raw = json.load(f)
         gen_path = Path(model_dir) / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        return cls.from_hf(raw, generation_config=gen)
+        return dataclasses.replace(cls.from_hf(raw, generation_config=gen), model_dir=str(Path(model_dir)))
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:

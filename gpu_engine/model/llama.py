@@ -3,7 +3,7 @@ Gemma 1/2/3, Phi, Phi-3, GPT-2) over one continuous-batching step: prefill chunk
 and decode tokens of many sequences flattened into one token axis, KV read and
 written through the unified pool's page tables, and unmerged LoRA on every
 targeted projection (a fused qkv_proj / gate_up_proj is one matmul and one LoRA
-apply, split afterwards).
+apply, split afterwards), on the token embedding and on the LM head.
 
 One forward for all families, driven by ModelConfig's typed facts (norm kind,
 activation, q/k norms, sandwich norms, parallel residual, learned positions,
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.gpu_engine.lora.backend import LoraBackend
-from loraplex.gpu_engine.lora.torch_backend import LoraGroup
+from loraplex.gpu_engine.lora.torch_backend import LoraGroup, ResidentLora, embed_lora, lm_head_lora
 from loraplex.gpu_engine.model.attention_torch import TorchPagedAttention
 from loraplex.gpu_engine.model.batch import ForwardBatch
 from loraplex.gpu_engine.model.config import ModelConfig
@@ -52,7 +52,8 @@ class LlamaModel:
         batch.score_tokens in batch.scored_hidden)."""
         cfg = self.cfg
         h = self._embed(batch.token_ids)  # [T, hidden]
-        if self.embed_scale is not None:
+        self._embed_lora(batch, pool, h)
+        if self.embed_scale is not None:  # after the LoRA: peft scales its output as the embedding's
             h = h * self.embed_scale
         if self.w.pos_embed is not None:
             h = h + F.embedding(batch.positions, self.w.pos_embed)
@@ -83,13 +84,28 @@ class LlamaModel:
         if batch.score_tokens is not None:  # prompt logprobs: scored later, in chunks (rows are normed alone)
             batch.scored_hidden = self._final_norm(h.index_select(0, batch.score_tokens))
         last = self._final_norm(h.index_select(0, batch.sample_tokens))
-        return self.logits(last)
+        return self.logits(last, pool, batch.sample_heads)
 
-    def logits(self, last: torch.Tensor) -> torch.Tensor | None:
+    def logits(self, last: torch.Tensor, pool: UnifiedPool | None = None,
+               heads: list[tuple[int, int, ResidentLora]] = ()) -> torch.Tensor | None:
         """float32 logits of final normed states after the family's final soft-cap (Gemma 2); the
-        prompt logprobs' chunks go through it too. None on a tensor-parallel rank that does not sample."""
+        prompt logprobs' chunks go through it too. heads: rows [start, end) of `last` whose adapter
+        may adapt lm_head (read from `pool`). None on a tensor-parallel rank that does not sample."""
         logits = self._logits(last)
-        return None if logits is None else softcap(logits, self.cfg.final_softcap)
+        if logits is None:
+            return None
+        if heads:
+            lm_head_lora(pool, heads, last, logits)
+        return softcap(logits, self.cfg.final_softcap)
+
+    @staticmethod
+    def _embed_lora(batch: ForwardBatch, pool: UnifiedPool, h: torch.Tensor) -> None:
+        groups = [g for g in batch.lora_groups if "embed_tokens" in g.lora.heads]
+        for g in groups:  # a load's first layer group carries the head modules' parts
+            if g.load is not None:
+                batch.load_wait_ms += g.load.wait_layer(0)
+        if groups:
+            embed_lora(pool, groups, batch.token_ids, h)
 
     def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return norm(self.cfg.norm, h, self.w.norm, self.w.norm_bias, self.cfg.rms_norm_eps)

@@ -90,6 +90,17 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
+def read_top_tensor(model_dir: str | Path, cfg: ModelConfig, which: str) -> torch.Tensor:
+    """The checkpoint's "embed" or "lm_head" weight as stored (a tied LM head is the embedding)."""
+    key = cfg.top_paths()["embed" if which == "embed" or cfg.tie_word_embeddings else "lm_head"] + ".weight"
+    for file in checkpoint_files(Path(model_dir)):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for stored in f.keys():
+                if _canonical_key(cfg, stored) == key:
+                    return f.get_tensor(stored)
+    raise UnsupportedModelError(f"the checkpoint in {model_dir} has no tensor {key}")
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the checkpoint must hold, with its shape as stored (Conv1D: [in, out])."""
     h = cfg.hidden_size

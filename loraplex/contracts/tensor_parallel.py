@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loraplex.contracts.geometry import AdapterLayout, PageGeometry, pack_adapter_rows
+from loraplex.contracts.head_modules import HeadModule
 from loraplex.contracts.settings import ConfigError
 
 # qkv_proj / gate_up_proj: fused q,k,v / gate,up (Phi-3), column-parallel part by part (fused_parts)
@@ -50,6 +51,9 @@ class TensorParallelPlan:
     # (name, in, out) of every projection when the model names its own (ModelConfig.module_shapes:
     # fused qkv_proj / gate_up_proj, no gate_proj); () is the Llama set below.
     modules: tuple[tuple[str, int, int], ...] = ()
+    # LoRA-targetable modules outside the layers (contracts/head_modules.py): laid out on one
+    # device only; an adapter targeting them is refused by a plan of several ranks.
+    head_modules: tuple[HeadModule, ...] = ()
 
     def __post_init__(self) -> None:
         n = self.world_size
@@ -75,12 +79,14 @@ class TensorParallelPlan:
     def for_model(cls, cfg, world_size: int) -> TensorParallelPlan:
         """From any object with ModelConfig's fields (the engine's ModelConfig)."""
         shapes = cfg.module_shapes() if hasattr(cfg, "module_shapes") else {}
+        heads = tuple(cfg.head_modules().values()) if hasattr(cfg, "head_modules") else ()
         blocker = cfg.tp_blocker() if world_size != 1 and hasattr(cfg, "tp_blocker") else None
         if blocker:  # a family whose weights the ranks cannot split (the engine's ModelConfig says why)
             raise ValueError(blocker)
         return cls(world_size=world_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                   vocab_size=cfg.vocab_size, modules=tuple((m, fi, fo) for m, (fi, fo) in shapes.items()))
+                   vocab_size=cfg.vocab_size, modules=tuple((m, fi, fo) for m, (fi, fo) in shapes.items()),
+                   head_modules=heads)
 
     @classmethod
     def configured(cls, cfg, world_size: int) -> TensorParallelPlan:
@@ -142,8 +148,14 @@ class TensorParallelPlan:
 
     def lora_rows(self, module: str, rank: int) -> tuple[int, int, int, int]:
         """(A rows, A row width, B^T rows, B^T row width) one rank stores for `module` at LoRA `rank`."""
-        fan_in, fan_out = self.full_shapes()[module]
         n = self.world_size
+        head = next((h for h in self.head_modules if h.name == module), None)
+        if head is not None:
+            if n > 1:
+                raise ValueError(f"LoRA on {module} is not split over tensor-parallel ranks yet: serve this adapter "
+                                 "on an engine with tensor_parallel_size=1, or retrain it without that target")
+            return head.lora_rows(rank)
+        fan_in, fan_out = self.full_shapes()[module]
         if module in COLUMN_PARALLEL:
             rs = self.lora_rank_shard(rank)
             return rs, fan_in, rs * n, fan_out // n
