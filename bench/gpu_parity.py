@@ -13,7 +13,11 @@
 - `peft_offline`: the offline `LLM` against transformers + PEFT (the random demo
   model with every demo adapter, one mixed batch, float32);
 - `daemon`: a live daemon in on_demand mode against transformers + PEFT, and one
-  in cpu_assist mode against the on_demand tokens (cold adapters, float32).
+  in cpu_assist mode against the on_demand tokens (cold adapters, float32);
+- `families`: every other served family's random demo (Qwen3, Gemma 1/2/3, Phi,
+  Phi-3, GPT-2: q/k norms, soft-caps, head_dim 256 where the demo has it, fused
+  modules, learned positions) with its demo adapters, and an adapter with LoRA
+  on embed_tokens and lm_head, each against transformers + PEFT (float32).
 
 `--device cpu --small` runs what can run on a CPU at toy size (kernels under the
 Triton interpreter); CUDA-only checks come back skipped with their reason. One
@@ -32,7 +36,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-CHECKS = ("kernels", "attention", "graphs", "peft_offline", "daemon")
+CHECKS = ("kernels", "attention", "graphs", "peft_offline", "daemon", "families")
 ROW_ADAPTERS = [None, "qv-r8", "attn-r16", "all-r32", "mlp-r64", None, "rslora-r16", "kdown-r8"]
 NEW_TOKENS = 16
 RANKS = [8, 16, 32, 64, 128]
@@ -256,8 +260,59 @@ def check_daemon(device: str, small: bool) -> dict[str, Any]:
             "cpu_assisted_rows": paths.count("cpu_assisted"), "adapter_paths": paths}
 
 
+def _head_adapter(model_dir: Path, dest: Path) -> Path:
+    """A peft adapter with LoRA on embed_tokens, lm_head and q/v (random A and B), saved at `dest`."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lora = peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, lora_dropout=0.0,
+                           target_modules=["q_proj", "v_proj", "embed_tokens", "lm_head"])
+    adapted = peft.get_peft_model(model, lora)
+    with torch.no_grad():
+        for key, p in adapted.named_parameters():
+            if "lora_embedding" in key:
+                p.mul_(0.2)  # peft draws both embedding factors from N(0, 1)
+    adapted.save_pretrained(dest)
+    return dest
+
+
+def check_families(device: str, small: bool) -> dict[str, Any]:
+    from loraplex import SamplingParams
+    from loraplex.contracts.demo import DEMO_FAMILIES
+    from loraplex.gpu_engine.demo import ensure_demo_model
+    from tests.hf_reference import greedy
+
+    families = ["gemma2", "phi3"] if small else [f for f in DEMO_FAMILIES if f != "llama"]
+    backend = "triton" if device.startswith("cuda") else "torch"
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="lpx-families-") as tmp:
+        for family in ["llama-heads", *families]:
+            demo = ensure_demo_model(Path(tmp) / family, family=family.removesuffix("-heads"))
+            llm = _llm(demo, device, dtype="float32", lora_backend=backend)
+            names = list(ROW_ADAPTERS[:4] if small else ROW_ADAPTERS)
+            adapters = dict(demo.adapters)
+            if family == "llama-heads":
+                adapters["heads-r8"] = _head_adapter(demo.model_dir, Path(tmp) / "heads-r8")
+                llm.add_adapter("heads-r8", adapters["heads-r8"])
+                names = [None, "heads-r8", "qv-r8", "heads-r8"]
+            prompts = _prompts(llm.config.vocab_size, len(names), int(time.time()))
+            got = [o.token_ids for o in llm.generate(prompts, adapters=names, sampling=params)]
+            want = [greedy(demo.model_dir, adapters.get(n), p, NEW_TOKENS)[0] for p, n in zip(prompts, names)]
+            out[family] = sum(a == b for a, b in zip(got, want))
+            log(f"parity: families: {family} {out[family]}/{len(names)} rows equal")
+            del llm
+    rows = 4 if small else len(ROW_ADAPTERS)
+    return {"ok": all(n == (4 if f == "llama-heads" else rows) for f, n in out.items()), "rows_identical": out,
+            "backend": backend}
+
+
 RUNNERS: dict[str, Callable[[str, bool], dict[str, Any]]] = {
-    "kernels": check_kernels, "attention": check_attention, "graphs": check_graphs, "peft_offline": check_peft_offline, "daemon": check_daemon}
+    "kernels": check_kernels, "attention": check_attention, "graphs": check_graphs, "peft_offline": check_peft_offline,
+    "daemon": check_daemon, "families": check_families}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,8 +52,8 @@ def test_the_plan_of_one_600s_window_puts_build_and_correctness_first() -> None:
     tiers = [s["tier"] for s in steps]
     assert tiers == sorted(tiers), "most valuable first"
     essentials = [s for s in steps if s["tier"] <= 2]
-    assert {"kernel_compile", "parity_kernels", "parity_graphs", "parity_peft_offline", "parity_daemon"} <= {
-        s["name"] for s in essentials}
+    assert {"kernel_compile", "parity_kernels", "parity_attention", "parity_graphs", "parity_peft_offline",
+            "parity_daemon", "parity_families"} <= {s["name"] for s in essentials}
     assert all(s["fits"] for s in essentials), essentials
     assert steps[:len(essentials)] == essentials
     headline = {s["name"] for s in steps if s["tier"] == 3}
