@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 HYPOTHESIS_PROFILE ?= ci
 FUZZ_SCALE ?= 20
 
-.PHONY: run demo test test-host fuzz venv venv-host bench gpu-check clean
+.PHONY: run demo test test-host lint fuzz venv venv-host bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ run: $(VENV)/.installed-engine
 
 demo: $(VENV)/.installed-engine
 	$(PY) -m loraplex.cli demo
+
+# ruff: pyflakes, pycodestyle errors and import order over the whole tree (pyproject.toml [tool.ruff]).
+lint: venv
+	$(VENV)/bin/ruff check .
 
 test: venv
 	LORAPLEX_HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PY) -m pytest $(PYTEST_ARGS)

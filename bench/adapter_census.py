@@ -468,7 +468,8 @@ def _tree() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", action="store_true", help="print one JSON object; write bench/results/adapter_census.json")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON object; write bench/results/adapter_census.json")
     ap.add_argument("--limit", type=int, default=None, help="run the first N adapters only")
     ap.add_argument("--only", default=None, help="run one model_type only (e.g. llama)")
     ap.add_argument("--ids", type=int, nargs="+", default=None, help="run these sample rows only (their 'id')")

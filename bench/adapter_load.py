@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from model_shapes import add_model_args, resolve_model_args, shape_config
 
 from loraplex.contracts.geometry import PageGeometry, plan_adapter_layout
 from loraplex.gpu_engine.adapter_loader import AdapterLoader
@@ -28,7 +29,6 @@ from loraplex.gpu_engine.lora.peft_adapter import AdapterSpec, HostAdapter
 from loraplex.gpu_engine.lora.torch_backend import resident_lora
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.pool import UnifiedPool
-from model_shapes import add_model_args, resolve_model_args, shape_config
 
 TARGET_SETS = {"qv": ("q_proj", "v_proj"), "qkvo": ("q_proj", "k_proj", "v_proj", "o_proj"),
                "all": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}

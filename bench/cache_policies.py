@@ -172,7 +172,8 @@ def simulate(policy: str, ranks: dict[str, int], seq: list[tuple[float, str, int
         adapter_page_s += (m.pool_pages - alloc.num_free - kv_pages) * (start - now)
         kv_page_s += kv_pages * (start - now)
         now = start
-        dt = (m.step_ms + m.decode_ms_per_row * len(decode) + m.prefill_ms_per_token * sum(r.prompt for r in prefill)) / 1e3
+        dt = (m.step_ms + m.decode_ms_per_row * len(decode)
+              + m.prefill_ms_per_token * sum(r.prompt for r in prefill)) / 1e3
         adapter_page_s += (m.pool_pages - alloc.num_free - kv_pages) * dt
         kv_page_s += kv_pages * dt
         now += dt
@@ -193,7 +194,8 @@ def simulate(policy: str, ranks: dict[str, int], seq: list[tuple[float, str, int
     return {
         "hit_rate": sum(r.hit for r in measured) / len(measured),
         "hit_rate_all": totals.hit_rate(),
-        "ttft_ms": {"p50": pct(ttft, 0.5), "p90": pct(ttft, 0.9), "p99": pct(ttft, 0.99), "mean": sum(ttft) / len(ttft)},
+        "ttft_ms": {"p50": pct(ttft, 0.5), "p90": pct(ttft, 0.9), "p99": pct(ttft, 0.99),
+                    "mean": sum(ttft) / len(ttft)},
         "queue_ms": {"p50": pct(queue, 0.5), "p99": pct(queue, 0.99)},
         "load_wait_ms_mean": 1e3 * sum(r.load_wait for r in measured) / len(measured),
         "loads": totals.loads, "pages_loaded": pages_loaded, "evictions": totals.evictions,

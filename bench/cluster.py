@@ -116,7 +116,8 @@ async def one_request(session, url: str, event, vocab: int, started: float, out:
 
     await asyncio.sleep(max(0.0, started + event.arrival_s - time.monotonic()))
     rng = random.Random(event.request_id)
-    body = {"model": event.adapter or "loraplex-base", "prompt": [rng.randrange(5, vocab) for _ in range(event.prompt_len)],
+    body = {"model": event.adapter or "loraplex-base",
+            "prompt": [rng.randrange(5, vocab) for _ in range(event.prompt_len)],
             "max_tokens": event.output_len, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     sent = time.monotonic()

@@ -186,8 +186,8 @@ def measure_stub_steps(batch: int, context: int, step_ms: float, decode_steps: i
         proc = _start([sys.executable, str(Path(__file__).resolve()), "--serve-stub-process", "--batch", str(batch),
                        "--loops", loop], rt, env)
         try:
-            _log(f"{loop} loop, stub engine process, {step_ms:g} ms a step: {batch} requests of {context} prompt tokens, "
-                 f"{decode_tokens} output tokens each")
+            _log(f"{loop} loop, stub engine process, {step_ms:g} ms a step: {batch} requests of "
+                 f"{context} prompt tokens, {decode_tokens} output tokens each")
             rng = random.Random(batch * 7919 + context)
             prompts = [[rng.randrange(3, 500) for _ in range(context)] for _ in range(batch)]
 
@@ -217,11 +217,11 @@ def measure_stub_steps(batch: int, context: int, step_ms: float, decode_steps: i
 
 def serve_stub_process(batch: int, loop: str) -> int:
     sys.path.insert(0, str(ROOT))
+    import uvloop
+
     from bench.stub_engine import StubProcessLink
     from loraplex.daemon.config import load_config
     from loraplex.daemon.main import run_daemon
-
-    import uvloop
 
     config = load_config(None, overrides={"scheduler.max_num_seqs": max(batch, 1),
                                            "scheduler.max_batched_tokens": max(STUB_MAX_BATCHED_TOKENS, batch),
@@ -231,11 +231,11 @@ def serve_stub_process(batch: int, loop: str) -> int:
 
 def serve_stub() -> int:
     sys.path.insert(0, str(ROOT))
+    import uvloop
+
     from bench.stub_engine import StubEngineLink
     from loraplex.daemon.config import load_config
     from loraplex.daemon.main import run_daemon
-
-    import uvloop
 
     config = load_config(None, overrides={"scheduler.max_num_seqs": 256, "scheduler.max_batched_tokens": 4096})
     return uvloop.run(run_daemon(config, engine_factory=StubEngineLink))
@@ -292,7 +292,8 @@ def main() -> int:
         print(json.dumps(report))
     else:
         sections = [(s, report[s]) for s in ("demo_model", "demo_model_overlap", "stub_engine") if s in report]
-        sections += [(f"stub {c['loop']} B={c['batch']} C={c['context']} MS={c['step_ms']:g}", c) for c in report.get("stub", [])]
+        sections += [(f"stub {c['loop']} B={c['batch']} C={c['context']} MS={c['step_ms']:g}", c)
+                     for c in report.get("stub", [])]
         for title, section in sections:
             print(title)
             for key, value in section.items():

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from model_shapes import add_model_args, resolve_model_args, shape_config
 
 from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.memory.allocator import PageAllocator
@@ -39,7 +40,6 @@ from loraplex.gpu_engine.executor import Executor
 from loraplex.gpu_engine.lora.peft_adapter import AdapterSpec, HostAdapter
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.weights import random_weights
-from model_shapes import add_model_args, resolve_model_args, shape_config
 from loraplex.ipc.engine_plan import SamplingSpec, StepPlan
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")

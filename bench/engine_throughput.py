@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_1m": [load_start, os.getloadavg()[0]],
         },
         "config": {
-            "model": "demo", "family": args.family, "dtype": args.dtype, "adapters": args.adapters, "prompt_len": args.prompt_len,
+            "model": "demo", "family": args.family, "dtype": args.dtype, "adapters": args.adapters,
+            "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens, "repeats": args.repeats, "seed": args.seed,
             "page_tokens": llm.geometry.page_tokens, "num_pages": llm.allocator.num_pages,
         },

@@ -17,13 +17,11 @@ import importlib.metadata
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
 
 SCHEMA = {
     "type": "object",

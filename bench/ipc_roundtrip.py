@@ -165,7 +165,7 @@ def run_shm(n: int, rounds: int, warmup: int, spin_us: float, pins: list[int | N
     try:
         for p in procs:
             p.start()
-        _wait_started(procs, lambda: _C.atomic_load(buf, STARTED_WORD) >= n)
+        _wait_started(procs, lambda buf=buf: _C.atomic_load(buf, STARTED_WORD) >= n)
         for seq in range(1, rounds + 1):
             t0 = time.perf_counter_ns()
             _C.store_and_wake(buf, SEQ_WORD, seq)

@@ -16,7 +16,6 @@ JSON object on stdout; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform

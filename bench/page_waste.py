@@ -151,7 +151,8 @@ def print_tables(report: dict[str, Any]) -> None:
                 print(f"  kv {name:<20} mean {kv['mean']:.2%}  aggregate {kv['aggregate']:.2%}")
         for rp in m["row_pages"]:
             wastes = ", ".join(f"{k} {v['waste']:.2%}" for k, v in rp["adapter"].items())
-            print(f"row pages of {rp['page_elems']} elems: adapter {wastes}; kv per token {rp['kv_waste_per_token']:.2%}")
+            print(f"row pages of {rp['page_elems']} elems: adapter {wastes}; "
+                  f"kv per token {rp['kv_waste_per_token']:.2%}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

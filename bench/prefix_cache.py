@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zipf", type=float, default=1.0)
     p.add_argument("--base-share", type=float, default=0.1)
     p.add_argument("--time-scale", type=float, default=0.5,
-                   help="speed-up of the trace's arrivals (0.5: half as fast, a load the cache-off engine only just carries)")
+                   help="speed-up of the trace's arrivals (0.5: half as fast, "
+                        "a load the cache-off engine only just carries)")
     p.add_argument("--pool-pages", type=int, default=4000, help="the simulated engine's unified pool")
     p.add_argument("--policy", default="fcfs")
     p.add_argument("--seed", type=int, default=0)

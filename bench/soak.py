@@ -255,8 +255,9 @@ def run(args: argparse.Namespace) -> dict:
     model_args = ["--model", str(demo.model_dir)]
     for name, path in demo.adapters.items():
         model_args += ["--adapter", f"{name}={path}"]
-    serve_args = [*model_args, "--num-pages", str(args.num_pages), "--max-num-seqs", "16", "--adapter-load-mode", args.load_mode,
-                  "--cache-policy", args.cache_policy, *(["--cpu-workers", "1"] if args.load_mode == "cpu_assist" else [])]
+    serve_args = [*model_args, "--num-pages", str(args.num_pages), "--max-num-seqs", "16",
+                  "--adapter-load-mode", args.load_mode, "--cache-policy", args.cache_policy,
+                  *(["--cpu-workers", "1"] if args.load_mode == "cpu_assist" else [])]
     loadavg_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="lpx-soak-") as tmp:
         root = Path(tmp)

@@ -21,6 +21,8 @@ from loraplex.contracts.engine_spec import EngineSpec
 from loraplex.gpu_engine.child_process import run_child
 from loraplex.ipc.engine_plan import RowResult, StepPlan, StepResult
 from loraplex.ipc.errors import ErrorCode
+from loraplex.ipc.order_pump import OrderPump
+from loraplex.ipc.plan_delta import PlanBook
 from loraplex.ipc.protocol import (
     EngineAdapterLoaded,
     EngineFailure,
@@ -32,8 +34,6 @@ from loraplex.ipc.protocol import (
     EngineUnloadAdapter,
     Message,
 )
-from loraplex.ipc.order_pump import OrderPump
-from loraplex.ipc.plan_delta import PlanBook
 from loraplex.ipc.sockets import TypedSocket
 
 ROLE = "loraplex-engine"  # the daemon's tools name children by role; this one stands in for an engine

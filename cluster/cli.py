@@ -22,7 +22,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                        help="join this Ray cluster (auto: the one running here); default: start a local one")
     serve.add_argument("--config", type=Path, default=None, help="the daemons' TOML config file")
     serve.add_argument("--daemon-arg", action="append", default=[], metavar="FLAG",
-                       help="an extra `loraplex serve` flag for every daemon (repeat; e.g. --daemon-arg=--num-pages=600)")
+                       help="an extra `loraplex serve` flag for every daemon "
+                            "(repeat; e.g. --daemon-arg=--num-pages=600)")
     serve.add_argument("--num-gpus-per-replica", type=float, default=0.0, help="GPUs Ray gives each replica")
     serve.add_argument("--num-cpus-per-replica", type=float, default=0.0, help="CPUs Ray reserves for each replica")
     serve.add_argument("--router", default="loraplex", choices=("loraplex", "multiplex", "default"),
@@ -55,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
                                num_cpus_per_replica=args.num_cpus_per_replica, router=args.router,
                                adapter_source=args.adapter_source, http_host=args.http_host,
                                http_port=args.http_port, served_model_name=args.served_model_name,
-                               source_check_s=args.source_check_s, enable_adapter_admin=args.enable_adapter_admin, disk_tier_bytes=int(args.disk_tier_gb * (1 << 30)),
+                               source_check_s=args.source_check_s, enable_adapter_admin=args.enable_adapter_admin,
+                               disk_tier_bytes=int(args.disk_tier_gb * (1 << 30)),
                                router_options={} if args.router_slo_ms is None else {"slo_ms": args.router_slo_ms})
     except ValueError as exc:
         print(f"loraplex cluster serve: error: {exc}", file=sys.stderr)

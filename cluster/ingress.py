@@ -37,8 +37,9 @@ class Ingress:
                                 enable_adapter_admin=cluster.enable_adapter_admin)
         resolver = AdapterResolver(board, cluster.adapter_source, check_s=cluster.source_check_s)
         # dLoRA's moves of queued requests belong to the loraplex router, which spreads a hot adapter too.
-        mover = QueueMover(board, Placement(spread_queue=int(cluster.router_options.get("spread_queue", SPREAD_QUEUE))))\
-            if cluster.router == "loraplex" else None
+        mover = (QueueMover(board,
+                            Placement(spread_queue=int(cluster.router_options.get("spread_queue", SPREAD_QUEUE))))
+                 if cluster.router == "loraplex" else None)
         self.client = ClusterClient(replicas, board, multiplexed=cluster.multiplexed, resolver=resolver, mover=mover)
         app = build_app(gateway, client=self.client, admin=ClusterAdmin(resolver, self.client))  # type: ignore[arg-type]
         add_routes(app, self.client)

@@ -2,7 +2,8 @@
 the daemon's rank-aware policy (loraplex.daemon.router.RankAwareRouter) on an EngineState built
 per replica, plus the cost of bringing the request's adapter there, with ties to the replica the
 adapter was last sent to, and an adapter new to the cluster goes to the replica that is home to
-the fewest adapters (as Serve's multiplexing does), so the working set spreads evenly. Cross-replica balancing as dLoRA's proactive dispatch: once some
+the fewest adapters (as Serve's multiplexing does), so the working set spreads evenly.
+Cross-replica balancing as dLoRA's proactive dispatch: once some
 replica has `spread_queue` or more of the adapter's requests queued while another replica is
 idle, affinity is off for that adapter and the policy alone places it, so a hot adapter spreads,
 and the ingress moves requests still queued there (`should_move`, remote.QueueMover).

@@ -53,7 +53,8 @@ class ReplicaAdapters:
                 path, digest, evicted = await asyncio.to_thread(
                     self.tier.get, ref["digest"], lambda tmp: source.fetch(ref["key"], tmp), self._in_use)
             except (SourceError, ValueError, OSError) as exc:
-                raise LoraplexError(ErrorCode.INVALID_ADAPTER, f"adapter {name!r} could not be fetched: {exc}") from None
+                raise LoraplexError(ErrorCode.INVALID_ADAPTER,
+                                    f"adapter {name!r} could not be fetched: {exc}") from None
             await self._admin.add_adapter(name, str(path), replace=True, timeout=ADD_TIMEOUT_S)
             self._loaded[name] = digest
             for old in evicted:

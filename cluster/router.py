@@ -25,8 +25,8 @@ MAX_TRACKED = 100_000  # adapters' homes, and requests between their placement a
 
 class LoraplexRequestRouter(RequestRouter):
     def initialize_state(self, kernel: str = "mbgmv", slo_ms: float = 36.0, miss_ms: float = 20.0,
-                         host_miss_ms: float = 5.0, spread_queue: int = SPREAD_QUEUE, profile: Mapping[str, Any] | None = None,
-                         **_: Any) -> None:
+                         host_miss_ms: float = 5.0, spread_queue: int = SPREAD_QUEUE,
+                         profile: Mapping[str, Any] | None = None, **_: Any) -> None:
         policy = RankAwareRouter(PerfProfile.from_dict(profile) if profile else None, kernel=kernel,  # type: ignore[arg-type]
                                  slo_ms=slo_ms)
         self._placement = Placement(policy, miss_ms=miss_ms, host_miss_ms=host_miss_ms, spread_queue=spread_queue)

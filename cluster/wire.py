@@ -11,8 +11,8 @@ from typing import Any
 
 from loraplex.ipc.client_calls import GENERATE_OPTIONS, generate_request
 from loraplex.ipc.client_types import Choice, GenerateResult, StreamChunk
-from loraplex.ipc.protocol import PromptLogprobs, TopLogprobs
 from loraplex.ipc.errors import ErrorCode, LoraplexError
+from loraplex.ipc.protocol import PromptLogprobs, TopLogprobs
 
 
 def request(prompt: str | Sequence[int], adapter: str | None, options: Mapping[str, Any]) -> dict[str, Any]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from loraplex.daemon.child_link import ChildLink
 from loraplex.contracts.engine_spec import EngineSpec
+from loraplex.daemon.child_link import ChildLink
 from loraplex.ipc.protocol import CacheHello
 from loraplex.ipc.shm import segment_name
 

@@ -5,7 +5,8 @@ dies or hangs. EngineLink (engine_link.py) and CacheManagerLink (cache_link.py) 
 The child is a synchronous executor, so replies pair with orders by order. `call` sends one
 order and waits for its reply; the step loop may instead `submit` step orders ahead and
 `collect` their replies in order (scheduler.overlap), and a `call` then waits until every
-submitted order was collected (`callers` tells the step loop to let it through). Every wait also watches the process: a dead or silent child raises
+submitted order was collected (`callers` tells the step loop to let it through).
+Every wait also watches the process: a dead or silent child raises
 EngineDied instead of hanging the daemon. The child also heartbeats over a pipe; one silent
 for `heartbeat_timeout_s` (stopped, wedged) is killed at once, busy or idle, and `on_lost`
 is called.

@@ -14,18 +14,19 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, get_args
 
+import tomllib
+
+from loraplex.contracts.engine_spec import EngineSpec, check_engine_settings
 from loraplex.contracts.names import is_valid_name as is_valid_adapter_name
+from loraplex.contracts.settings import Checks, ConfigError, convert, field_types
 from loraplex.daemon.gpu_cache.predictor import PredictorConfig
 from loraplex.daemon.router import ROUTERS
 from loraplex.daemon.scheduler.config import SchedulerConfig
-from loraplex.contracts.engine_spec import EngineSpec, check_engine_settings
-from loraplex.contracts.settings import Checks, ConfigError, convert, field_types
 
 ENV_PREFIX = "LORAPLEX_"
 ENV_CONFIG = "LORAPLEX_CONFIG"
@@ -70,10 +71,14 @@ class ModelSettings:
     load_format: str = field(default=_ENGINE.load_format, metadata=_help(
         "safetensors (the checkpoint), or dummy: random weights from config.json alone, for benchmarks at "
         "real model sizes with nothing to download (outputs are meaningless)."))
-    device: str = field(default=_ENGINE.device, metadata=_help("auto (cuda if available, else cpu), cpu, cuda or cuda:N."))
-    dtype: str = field(default=_ENGINE.dtype, metadata=_help("Weight and activation dtype: auto, float32, bfloat16, float16."))
-    max_lora_rank: int = field(default=_ENGINE.max_lora_rank, metadata=_help("Largest adapter rank accepted; larger ones are refused."))
-    lora_backend: str = field(default=_ENGINE.lora_backend, metadata=_help("LoRA kernels: auto, torch (reference) or triton."))
+    device: str = field(default=_ENGINE.device, metadata=_help(
+        "auto (cuda if available, else cpu), cpu, cuda or cuda:N."))
+    dtype: str = field(default=_ENGINE.dtype, metadata=_help(
+        "Weight and activation dtype: auto, float32, bfloat16, float16."))
+    max_lora_rank: int = field(default=_ENGINE.max_lora_rank, metadata=_help(
+        "Largest adapter rank accepted; larger ones are refused."))
+    lora_backend: str = field(default=_ENGINE.lora_backend, metadata=_help(
+        "LoRA kernels: auto, torch (reference) or triton."))
     max_model_len: int | None = field(default=_ENGINE.max_model_len, metadata=_help(
         "Longest sequence (prompt + output) in tokens; unset = the model's limit.", "4096"))
     page_tokens: int | None = field(default=_ENGINE.page_tokens, metadata=_help(
@@ -124,9 +129,12 @@ class SchedulerSettings:
     SECTION: ClassVar[str] = "scheduler"
 
     policy: str = field(default="fcfs", metadata=_help(f"Scheduling policy: {', '.join(SCHEDULER_POLICIES)}."))
-    max_num_seqs: int = field(default=_SCHEDULER.max_num_seqs, metadata=_help("Most sequences in one iteration's batch."))
-    max_batched_tokens: int = field(default=_SCHEDULER.max_batched_tokens, metadata=_help("Token budget of one iteration (prefill + decode)."))
-    max_loras_per_batch: int = field(default=_SCHEDULER.max_loras_per_batch, metadata=_help("Most distinct adapters in one iteration's batch."))
+    max_num_seqs: int = field(default=_SCHEDULER.max_num_seqs, metadata=_help(
+        "Most sequences in one iteration's batch."))
+    max_batched_tokens: int = field(default=_SCHEDULER.max_batched_tokens, metadata=_help(
+        "Token budget of one iteration (prefill + decode)."))
+    max_loras_per_batch: int = field(default=_SCHEDULER.max_loras_per_batch, metadata=_help(
+        "Most distinct adapters in one iteration's batch."))
     ttft_slo_ms: float | None = field(default=None, metadata=_help(
         "Early abort (S-LoRA 4.3): refuse queued requests predicted to miss this time to first token.", "2000"))
     cluster_adapters: bool = field(default=_SCHEDULER.cluster_adapters, metadata=_help(

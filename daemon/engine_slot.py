@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
-from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.child_link import EngineDied, EngineRefused
+from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.engine_link import EngineLink
 from loraplex.daemon.gpu_cache.predictor import PredictorConfig
 from loraplex.daemon.memory.allocator import PageAllocator
@@ -23,7 +23,7 @@ from loraplex.daemon.router.snapshot import StepTimes, engine_state
 from loraplex.daemon.router.state import EngineState
 from loraplex.daemon.scheduler.config import SchedulerConfig
 from loraplex.daemon.scheduler.factory import make_scheduler
-from loraplex.daemon.scheduler.sequence import Sequence, SeqRequest
+from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
 from loraplex.ipc.engine_plan import StepPlan
 from loraplex.ipc.plan_delta import PlanEncoder
 from loraplex.ipc.protocol import (
@@ -94,9 +94,9 @@ class EngineSlot:
             return entry.nbytes if entry is not None else 0
 
         link = 0.0 if self.load_mode == "cached" else hello.link_bytes_per_s
-        return engine_state(self.index, self.scheduler, rank_of=adapters.rank_of, bytes_of=bytes_of, max_num_seqs=max_seqs,
-                            total_pages=hello.num_pages, tokens_per_s=self.tokens_per_s, load_bytes_per_s=link,
-                            healthy=self.healthy, steps=self.step_times, now=time.monotonic())
+        return engine_state(self.index, self.scheduler, rank_of=adapters.rank_of, bytes_of=bytes_of,
+                            max_num_seqs=max_seqs, total_pages=hello.num_pages, tokens_per_s=self.tokens_per_s,
+                            load_bytes_per_s=link, healthy=self.healthy, steps=self.step_times, now=time.monotonic())
 
     def attach_store(self, segment: str) -> None:
         """The cache manager's host store: adapters come from it, and the engine, when it (re)starts,
@@ -293,7 +293,8 @@ class EngineSlot:
             "batch_rows": len(sched.running) if sched else 0,
             "running": len(sched.running) if sched else 0,
             "waiting": (len(sched.waiting) if sched else 0) + len(self.pending) + len(self.carried),
-            "pool_used_pct": None if usage is None or not usage.total else (usage.total - usage.free) / usage.total * 100,
+            "pool_used_pct": (None if usage is None or not usage.total
+                              else (usage.total - usage.free) / usage.total * 100),
             "resident_adapters": len(sched.adapters.resident_names()) if sched else 0,
             "prefix_cache": sched.prefix.snapshot() if sched is not None and sched.prefix is not None else None,
         })

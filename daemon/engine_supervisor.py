@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence as SequenceOf
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
 
 from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
 from loraplex.daemon.child_link import EngineDied, EngineRefused
@@ -20,7 +21,7 @@ from loraplex.daemon.engine_slot import EngineSlot
 from loraplex.daemon.rejected import Rejected
 from loraplex.daemon.replicas import Replicas, build_router
 from loraplex.daemon.request_table import RequestTable
-from loraplex.daemon.scheduler.sequence import Sequence, SeqRequest
+from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
 from loraplex.daemon.stats import ServingStats
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.protocol import EngineFailure, EngineHello

@@ -31,9 +31,9 @@ from loraplex.daemon.registry_check import check_registry
 from loraplex.daemon.reload import claim_unscoped, entry_of, register_startup_adapters, reload
 from loraplex.daemon.replicas import build_router
 from loraplex.daemon.sdnotify import Notifier
-from loraplex.daemon.state_lock import StateLock
 from loraplex.daemon.server import Dispatcher, Listener, probe_quiet_clients, publish_stats
 from loraplex.daemon.serving import ServingCore
+from loraplex.daemon.state_lock import StateLock
 from loraplex.ipc.codec import DecodeLimits
 from loraplex.ipc.curve import CurveError, load_server_keys, start_authenticator
 from loraplex.ipc.runtime_dir import Endpoints, endpoints, ensure_runtime_dir, instance_id

@@ -278,7 +278,8 @@ class AdapterRegistry:
     def set_pinned(self, name: str, pinned: bool) -> AdapterRecord:
         """Pin or unpin `name`; RegistryError("not_found") if it is not registered."""
         with self._transaction() as db:
-            db.execute("UPDATE adapters SET pinned = ? WHERE model = ? AND name = ?", (int(bool(pinned)), self.model, name))
+            db.execute("UPDATE adapters SET pinned = ? WHERE model = ? AND name = ?",
+                       (int(bool(pinned)), self.model, name))
             record = self._get(db, name)
         if record is None:
             raise RegistryError("not_found", f"adapter {name!r} is not registered")

@@ -16,7 +16,7 @@ from loraplex.daemon.config import SchedulerSettings
 from loraplex.daemon.engine_slot import EngineSlot
 from loraplex.daemon.router import NoEngineError, PerfProfile, RequestInfo, Router, make_router
 from loraplex.daemon.router.state import Migration
-from loraplex.daemon.scheduler.sequence import Sequence, SeqRequest
+from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
 
 log = logging.getLogger("loraplex.daemon")
 

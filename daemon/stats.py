@@ -104,7 +104,8 @@ class ServingStats:
         for _, key, nbytes in self.transfers:
             purpose, direction = TRANSFER_PURPOSES.get(key, (key, "h2d"))
             rates[direction] += nbytes
-            by_purpose.setdefault(purpose, {"h2d_mb_s": 0.0, "d2h_mb_s": 0.0})[f"{direction}_mb_s"] += nbytes / span / 1e6
+            by_purpose.setdefault(purpose, {"h2d_mb_s": 0.0,
+                                            "d2h_mb_s": 0.0})[f"{direction}_mb_s"] += nbytes / span / 1e6
         h2d, d2h = rates["h2d"] / span / 1e6, rates["d2h"] / span / 1e6
         link = self.link_bytes_per_s / 1e6 if self.link_bytes_per_s else None
         return {"h2d_mb_s": h2d, "d2h_mb_s": d2h, "link_mb_s": link,

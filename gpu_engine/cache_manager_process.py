@@ -14,8 +14,8 @@ import logging
 import os
 import traceback
 
-from loraplex.contracts.tensor_parallel import TensorParallelPlan
 from loraplex.contracts.engine_spec import EngineSpec
+from loraplex.contracts.tensor_parallel import TensorParallelPlan
 from loraplex.errors import LoraplexRequestError
 from loraplex.gpu_engine.child_process import run_child
 from loraplex.gpu_engine.host_store import HostStore, StoreFull

@@ -23,6 +23,7 @@ from typing import Callable, TypeVar
 import zmq
 
 from loraplex.contracts.engine_spec import EngineSpec
+from loraplex.contracts.settings import ConfigError
 from loraplex.gpu_engine.model.config import UnsupportedModelError
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.heartbeat import HEARTBEAT_FD_FLAG, start_beating
@@ -31,7 +32,6 @@ from loraplex.ipc.shm import unlink_owned
 from loraplex.ipc.socket_options import CHILD_LINK_LIMITS
 from loraplex.ipc.sockets import TypedSocket, make_dealer
 from loraplex.lifetime import die_with_parent
-from loraplex.contracts.settings import ConfigError
 
 State = TypeVar("State")
 LINGER_MS = 2000  # how long closing the daemon socket may wait for a last message to go out
@@ -43,7 +43,8 @@ def run_child(role: str, what: str, argv: list[str] | None, start: Callable[[Eng
     until shut down (serve closes what start opened). Exit status 2 when start fails."""
     parser = argparse.ArgumentParser(prog=role, description=f"loraplex {what} process (started by the daemon)")
     parser.add_argument("--endpoint", required=True, help=f"the daemon's private {what} endpoint")
-    parser.add_argument("--spec", required=True, help="the EngineSpec as a JSON object (loraplex/contracts/engine_spec.py)")
+    parser.add_argument("--spec", required=True,
+                        help="the EngineSpec as a JSON object (loraplex/contracts/engine_spec.py)")
     parser.add_argument(HEARTBEAT_FD_FLAG, type=int, default=None, help="pipe to write heartbeats to (inherited)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"{role} %(levelname)s %(message)s", stream=sys.stderr)

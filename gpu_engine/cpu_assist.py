@@ -151,7 +151,8 @@ class CpuAssistEngine:
     def step(self, cpu: CpuAssistStep, rows: list[tuple[int, int, int, int, HostAdapter]]) -> CpuAssistStepRun:
         """rows: (exchange row, first batch token, count, cpu_layers, adapter) per CPU-assisted row."""
         if cpu.exchange_rows > self.layout.max_tokens:
-            raise ValueError(f"plan uses {cpu.exchange_rows} exchange rows; the exchange holds {self.layout.max_tokens}")
+            raise ValueError(f"plan uses {cpu.exchange_rows} exchange rows; "
+                             f"the exchange holds {self.layout.max_tokens}")
         cpu_rows = [CpuRow(first=first, count=n, xrow=xrow, cpu_layers=layers, adapter=adapter)
                     for xrow, first, n, layers, adapter in rows]
         if self.counters is not None:

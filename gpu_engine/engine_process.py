@@ -14,9 +14,9 @@ once expanded and fed, so every rank runs the same plan), and alone samples and 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +32,8 @@ from loraplex.gpu_engine.runtime import EngineRuntime, build_runtime, resolve_sp
 from loraplex.gpu_engine.tp.group import RankGroup
 from loraplex.ipc.engine_plan import StepPlan
 from loraplex.ipc.errors import ErrorCode
+from loraplex.ipc.order_pump import OrderPump
+from loraplex.ipc.plan_delta import PlanBook
 from loraplex.ipc.protocol import (
     EngineFailure,
     EngineHello,
@@ -42,8 +44,6 @@ from loraplex.ipc.protocol import (
     EngineUnloadAdapter,
     Message,
 )
-from loraplex.ipc.order_pump import OrderPump
-from loraplex.ipc.plan_delta import PlanBook
 from loraplex.ipc.sockets import TypedSocket
 
 ROLE = "loraplex-engine"

@@ -12,19 +12,19 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.contracts.geometry import AdapterLayout, PageGeometry
-from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
-from loraplex.gpu_engine.lora.merge import MergeController
 from loraplex.gpu_engine.adapter_loader import AdapterLoader, GroupLoad
 from loraplex.gpu_engine.decode_graphs import DecodeGraphInfo, DecodeGraphRunner, graph_blocker
+from loraplex.gpu_engine.lora.merge import MergeController
+from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
 from loraplex.gpu_engine.lora.torch_backend import LoraGroup, ResidentLora, resident_lora
-from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.batch import ForwardBatch, RowSpan
-from loraplex.gpu_engine.model_split import ModelSplit, WholeModel
-from loraplex.gpu_engine.tp.cpu_assist import AssistRow
+from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.weights import ModelWeights
+from loraplex.gpu_engine.model_split import ModelSplit, WholeModel
 from loraplex.gpu_engine.pool import UnifiedPool
 from loraplex.gpu_engine.prompt_logprobs import ScoredRow, score, scored_positions
 from loraplex.gpu_engine.sampler import Sampler
+from loraplex.gpu_engine.tp.cpu_assist import AssistRow
 from loraplex.ipc.engine_plan import RowPlan, StepPlan, StepResult
 
 

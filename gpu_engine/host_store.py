@@ -13,8 +13,13 @@ from __future__ import annotations
 import torch
 
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
-from loraplex.ipc.adapter_store import STORE_ARENA_BASE, ArenaAllocator, StoreEntry, store_entry_layout, \
-    store_segment_size
+from loraplex.ipc.adapter_store import (
+    STORE_ARENA_BASE,
+    ArenaAllocator,
+    StoreEntry,
+    store_entry_layout,
+    store_segment_size,
+)
 from loraplex.ipc.shm import SharedSegment
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

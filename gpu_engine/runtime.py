@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.contracts.geometry import PageGeometry
 from loraplex.contracts.engine_spec import EngineSpec
+from loraplex.contracts.geometry import PageGeometry
 from loraplex.contracts.settings import ConfigError
 from loraplex.gpu_engine.executor import Executor
 from loraplex.gpu_engine.model.config import ModelConfig

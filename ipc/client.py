@@ -19,7 +19,15 @@ from __future__ import annotations
 
 from loraplex.ipc.client_async import AsyncAdminClient, AsyncClient, AsyncStream
 from loraplex.ipc.client_sync import AdminClient, Client, Stream
-from loraplex.ipc.client_types import AdapterInfo, Choice, GenerateResult, Liveness, StreamChunk, Tokenized, new_request_id
+from loraplex.ipc.client_types import (
+    AdapterInfo,
+    Choice,
+    GenerateResult,
+    Liveness,
+    StreamChunk,
+    Tokenized,
+    new_request_id,
+)
 from loraplex.ipc.errors import ErrorCode, LoraplexError
 from loraplex.ipc.guided import Guided
 from loraplex.ipc.protocol import PromptLogprobs, TopLogprobs

@@ -16,15 +16,12 @@ from loraplex.ipc.client_types import AdapterInfo, Choice, GenerateResult, Strea
 from loraplex.ipc.errors import ErrorCode, LoraplexError
 from loraplex.ipc.guided import Guided
 from loraplex.ipc.protocol import (
-    DetokenizedReply,
-    DetokenizeRequest,
-    TokenizedReply,
-    TokenizeRequest,
-    TopLogprobs,
     MAX_DEADLINE_MS,
     AdaptersReply,
     AddAdapterRequest,
     AdminOkReply,
+    DetokenizedReply,
+    DetokenizeRequest,
     DoneReply,
     DrainRequest,
     ErrorReply,
@@ -41,6 +38,9 @@ from loraplex.ipc.protocol import (
     StatsReply,
     StatsRequest,
     TokenChunk,
+    TokenizedReply,
+    TokenizeRequest,
+    TopLogprobs,
 )
 
 CONTROL_TIMEOUT_S = 10.0
@@ -121,7 +121,8 @@ def ping(timeout: float | None) -> Call[float]:
     return Call(PingRequest(request_id=new_request_id()), PongReply, lambda _: time.monotonic() - started, timeout)
 
 
-def add_adapter(name: str, path: str | os.PathLike[str], replace: bool, timeout: float | None) -> Call[dict[str, object]]:
+def add_adapter(name: str, path: str | os.PathLike[str], replace: bool,
+                timeout: float | None) -> Call[dict[str, object]]:
     return _admin(AddAdapterRequest(name=name, path=os.fspath(path), replace=replace, request_id=new_request_id()),
                   timeout)
 

@@ -24,10 +24,10 @@ from loraplex.ipc.client_calls import (
     ADD_ADAPTER_TIMEOUT_S,
     CONTROL_TIMEOUT_S,
     Call,
+    GenerateOptions,
     Item,
     R,
     StreamAssembler,
-    GenerateOptions,
     generate_request,
 )
 from loraplex.ipc.client_core import (

@@ -141,7 +141,8 @@ class CurveServerKeys:
     allowed: frozenset[bytes] = field(repr=False)
 
     @classmethod
-    def from_files(cls, secret_key_file: str | os.PathLike[str], allowed_keys: str | os.PathLike[str]) -> CurveServerKeys:
+    def from_files(cls, secret_key_file: str | os.PathLike[str],
+                   allowed_keys: str | os.PathLike[str]) -> CurveServerKeys:
         public, secret = read_secret_key(secret_key_file, "CURVE server secret key file")
         return cls(public, secret, read_allowed_keys(allowed_keys))
 
@@ -163,7 +164,8 @@ class CurveClientKeys:
     secret_key: bytes = field(repr=False)
 
     @classmethod
-    def from_files(cls, server_key_file: str | os.PathLike[str], client_key_file: str | os.PathLike[str]) -> CurveClientKeys:
+    def from_files(cls, server_key_file: str | os.PathLike[str],
+                   client_key_file: str | os.PathLike[str]) -> CurveClientKeys:
         """server_key_file: the server's `.pub`; client_key_file: this client's secret `.key`."""
         server = read_public_key(server_key_file, "CURVE server public key file")
         public, secret = read_secret_key(client_key_file, "CURVE client secret key file")

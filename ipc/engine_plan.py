@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 # Bounds of the sampling options (one source: the client message declares its fields with these).
 MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's limit
 # Prompt logprobs (vLLM's prompt_logprobs): prompt tokens x (1 + alternatives) one request may ask

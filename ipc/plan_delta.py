@@ -24,8 +24,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loraplex.ipc.engine_plan import (AdapterPlacement, CpuAssistStep, GrammarOrder, RowPlan, SamplingSpec, StepPlan,
-                                      StepResult)
+from loraplex.ipc.engine_plan import (
+    AdapterPlacement,
+    CpuAssistStep,
+    GrammarOrder,
+    RowPlan,
+    SamplingSpec,
+    StepPlan,
+    StepResult,
+)
 
 FEED_SAMPLED = -1  # a token id meaning "the token this engine sampled for this row in its last step"
 

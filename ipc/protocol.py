@@ -12,12 +12,12 @@ from __future__ import annotations
 from loraplex.ipc.messages.admin import (
     MAX_DRAIN_TIMEOUT_S,
     POLICY_KINDS,
-    PolicyKind,
     AddAdapterRequest,
     AdminOkReply,
     DrainRequest,
     PauseRequest,
     PinAdapterRequest,
+    PolicyKind,
     RemoveAdapterRequest,
     SetPolicyRequest,
 )
@@ -50,6 +50,8 @@ from loraplex.ipc.messages.client import (
 )
 from loraplex.ipc.messages.cpu import (
     FAILURE_CODES as CPU_FAILURE_CODES,
+)
+from loraplex.ipc.messages.cpu import (
     CpuCalibrate,
     CpuCalibration,
     CpuJobDone,

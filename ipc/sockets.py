@@ -279,7 +279,8 @@ def make_dealer(ctx: Any, endpoint: str, *, bind: bool = False, limits: SocketLi
 
 
 @overload
-def make_pub(ctx: zmq.asyncio.Context, endpoint: str, *, bind: bool = ..., limits: SocketLimits = ...) -> AsyncTypedSocket: ...
+def make_pub(ctx: zmq.asyncio.Context, endpoint: str, *, bind: bool = ...,
+             limits: SocketLimits = ...) -> AsyncTypedSocket: ...
 @overload
 def make_pub(ctx: zmq.Context[Any], endpoint: str, *, bind: bool = ..., limits: SocketLimits = ...) -> TypedSocket: ...
 def make_pub(ctx: Any, endpoint: str, *, bind: bool = True, limits: SocketLimits = DEFAULT_SOCKET_LIMITS) -> Any:
@@ -288,7 +289,8 @@ def make_pub(ctx: Any, endpoint: str, *, bind: bool = True, limits: SocketLimits
 
 
 @overload
-def make_sub(ctx: zmq.asyncio.Context, endpoint: str, *, bind: bool = ..., limits: SocketLimits = ...) -> AsyncTypedSocket: ...
+def make_sub(ctx: zmq.asyncio.Context, endpoint: str, *, bind: bool = ...,
+             limits: SocketLimits = ...) -> AsyncTypedSocket: ...
 @overload
 def make_sub(ctx: zmq.Context[Any], endpoint: str, *, bind: bool = ..., limits: SocketLimits = ...) -> TypedSocket: ...
 def make_sub(ctx: Any, endpoint: str, *, bind: bool = False, limits: SocketLimits = DEFAULT_SOCKET_LIMITS) -> Any:

@@ -285,7 +285,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         print(f"loraplex generate: error: {exc}", file=sys.stderr)
         return 1
     t = result.timings
-    print(f"[{result.finish_reason}; {result.usage.get('completion_tokens')} tokens; ttft {t.get('ttft_ms', 0):.1f} ms; "
+    print(f"[{result.finish_reason}; {result.usage.get('completion_tokens')} tokens; "
+          f"ttft {t.get('ttft_ms', 0):.1f} ms; "
           f"{t.get('tpt_ms', 0):.1f} ms/token; adapter {t.get('adapter_path')}]", file=sys.stderr)
     return 0
 

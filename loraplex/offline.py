@@ -14,14 +14,15 @@ import math
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence as Seq
+from typing import Mapping
+from typing import Sequence as Seq
 
+from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS, EngineSpec
 from loraplex.contracts.names import NAME_RULE, is_valid_name
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.prompt_logprobs import PromptLogprobBook
 from loraplex.daemon.scheduler.fcfs import FcfsScheduler, SchedulerConfig
 from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
-from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS, EngineSpec
 from loraplex.errors import AdapterError, InvalidTokenError, PromptTooLongError, UnknownAdapterError
 from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
 from loraplex.gpu_engine.pool import kv_window
@@ -114,7 +115,8 @@ class LLM:
                  load_throttle_bytes_s: float | None = None, cuda_graphs: bool = True,
                  admit_when_loaded: bool = False, load_format: str = "safetensors") -> None:
         runtime = build_runtime(EngineSpec(
-            model=None if model is None else str(model), load_format=load_format, device=device, dtype=dtype, max_lora_rank=max_lora_rank,
+            model=None if model is None else str(model), load_format=load_format, device=device, dtype=dtype,
+            max_lora_rank=max_lora_rank,
             lora_backend=lora_backend, num_pages=num_pages, pool_bytes=pool_bytes, page_tokens=page_tokens,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             load_throttle_bytes_s=load_throttle_bytes_s, cuda_graphs=cuda_graphs,
@@ -159,7 +161,8 @@ class LLM:
         layout = self.executor.add_host_adapter(adapter)
         if layout.num_pages > self.allocator.num_pages:
             self.executor.remove_host_adapter(name)
-            raise AdapterError(f"adapter {name!r} needs {layout.num_pages} pages; the pool has {self.allocator.num_pages}")
+            raise AdapterError(f"adapter {name!r} needs {layout.num_pages} pages; "
+                               f"the pool has {self.allocator.num_pages}")
 
     def remove_adapter(self, name: str) -> None:
         if name not in self.executor.host:

@@ -16,8 +16,8 @@ from bench.stub_engine import StubEngineLink
 from loraplex.daemon.child_link import EngineRefused
 from loraplex.daemon.config import load_config
 from loraplex.daemon.registry import AdapterRegistry
-from loraplex.daemon.serving import Rejected, ServingCore
 from loraplex.daemon.server import Dispatcher
+from loraplex.daemon.serving import Rejected, ServingCore
 from loraplex.ipc.protocol import (
     AddAdapterRequest,
     EngineFailure,

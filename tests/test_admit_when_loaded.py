@@ -11,13 +11,13 @@ import dataclasses
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_fcfs_scheduler import ADAPTER_PAGES, assert_drained, reference, request
+from test_sched_common import FakeClock, TimedEngine, build, build_for, drive, timed_workloads
 
 from loraplex.daemon.scheduler.factory import POLICIES
 from loraplex.daemon.scheduler.mlq import MlqConfig
 from loraplex.daemon.scheduler.sequence import SeqStatus
 from loraplex.ipc.engine_plan import StepPlan, StepResult
-from test_fcfs_scheduler import ADAPTER_PAGES, assert_drained, reference, request
-from test_sched_common import FakeClock, TimedEngine, build, build_for, drive, timed_workloads
 
 
 class ArrivingEngine(TimedEngine):

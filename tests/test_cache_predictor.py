@@ -152,11 +152,11 @@ def test_engine_slots_build_caches_with_the_configured_predictor_and_host_filter
     import asyncio
 
     from bench.stub_engine import StubEngineLink
+    from loraplex.contracts.geometry import PageGeometry
     from loraplex.daemon.adapter_table import AdapterTable
     from loraplex.daemon.config import load_config
     from loraplex.daemon.engine_slot import EngineSlot
     from loraplex.daemon.memory.allocator import PageAllocator
-    from loraplex.contracts.geometry import PageGeometry
 
     hello = asyncio.run(StubEngineLink(None, None, {}).start())
     geometry = PageGeometry(kv_dim=1, page_tokens=16, max_row_width=0)

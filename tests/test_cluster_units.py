@@ -80,9 +80,11 @@ def test_a_hot_adapter_spreads_once_queued_deep_while_a_replica_idles() -> None:
     request = RequestInfo("x", "hot", rank=16, prompt_len=8, max_tokens=8)
     holder = _stats(gpu=["hot"])
     holder["waiting"] = [["hot", 16, 16]] * 2
-    assert placement.order(request, [ReplicaView("a", holder, last_for_adapter=True), ReplicaView("b", _stats())])[0] == 0
+    assert placement.order(request, [ReplicaView("a", holder, last_for_adapter=True),
+                                     ReplicaView("b", _stats())])[0] == 0
     holder["waiting"] = [["hot", 16, 16]] * 3
-    assert placement.order(request, [ReplicaView("a", holder, last_for_adapter=True), ReplicaView("b", _stats())])[0] == 1
+    assert placement.order(request, [ReplicaView("a", holder, last_for_adapter=True),
+                                     ReplicaView("b", _stats())])[0] == 1
     busy = _stats(running=[("other", 8, 4)])  # no replica idle: affinity stays
     assert placement.order(request, [ReplicaView("a", holder, last_for_adapter=True), ReplicaView("b", busy)])[0] == 0
     with pytest.raises(ValueError):
@@ -116,9 +118,8 @@ def test_aggregate_adds_replicas_up() -> None:
 
 def test_wire_round_trips_and_validates() -> None:
     from loraplex.cluster import wire
-    from loraplex.ipc.errors import ProtocolError
-
     from loraplex.ipc.client import Choice, TopLogprobs
+    from loraplex.ipc.errors import ProtocolError
 
     top = [TopLogprobs([1, 7], [-0.5, -1.5], ["a", "b"]), TopLogprobs([2, 9], [-0.25, -2.0], ["b", "c"])]
     chunk = StreamChunk("r", [1, 2], "ab", 0, [-0.5, -0.25], top, choice=1)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
+from loraplex.contracts.settings import convert
 from loraplex.daemon.config import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ConfigError,
@@ -26,7 +27,6 @@ from loraplex.daemon.config import (
     parse_adapter_arg,
     render_toml,
 )
-from loraplex.contracts.settings import convert
 
 
 def write(tmp_path: Path, text: str, name: str = "loraplex.toml") -> Path:
@@ -60,10 +60,12 @@ max_loras_per_batch = 4
 dtype = "float16"
 """)
     cfg = load_config(path, env={})
-    assert (cfg.scheduler.max_num_seqs, cfg.scheduler.max_batched_tokens, cfg.scheduler.max_loras_per_batch) == (8, 512, 4)
+    assert (cfg.scheduler.max_num_seqs, cfg.scheduler.max_batched_tokens,
+            cfg.scheduler.max_loras_per_batch) == (8, 512, 4)
     env = {"LORAPLEX_SCHEDULER_MAX_NUM_SEQS": "16", "LORAPLEX_SCHEDULER_MAX_LORAS_PER_BATCH": "6"}
     cfg = load_config(path, env=env)
-    assert (cfg.scheduler.max_num_seqs, cfg.scheduler.max_batched_tokens, cfg.scheduler.max_loras_per_batch) == (16, 512, 6)
+    assert (cfg.scheduler.max_num_seqs, cfg.scheduler.max_batched_tokens,
+            cfg.scheduler.max_loras_per_batch) == (16, 512, 6)
     cfg = load_config(path, env=env, overrides={"scheduler.max_num_seqs": 32, "model.dtype": None})
     assert (cfg.scheduler.max_num_seqs, cfg.scheduler.max_loras_per_batch) == (32, 6)
     assert cfg.model.dtype == "float16"  # None = flag not given: the file's value stays
@@ -113,7 +115,8 @@ def test_env_values_parse_by_field_type(var: str, text: str, section: str, field
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("1", True), ("true", True), ("YES", True), ("on", True), ("0", False), ("false", False), ("No", False), ("off", False)],
+    [("1", True), ("true", True), ("YES", True), ("on", True),
+     ("0", False), ("false", False), ("No", False), ("off", False)],
 )
 def test_bool_text_parsing(text: str, expected: bool) -> None:
     assert convert("x.flag", text, bool, where="test", from_text=True) is expected
@@ -148,7 +151,8 @@ def test_bool_text_parsing_rejects_other_words() -> None:
         ({"LORAPLEX_SERVER_MAX_MESSAGE_BYTES": "100"}, r"max_message_bytes must be >= 4096"),
         ({"LORAPLEX_SERVER_STATS_INTERVAL_S": "0"}, r"stats_interval_s must be a finite number > 0"),
         ({"LORAPLEX_MODEL_NUM_PAGES": "10", "LORAPLEX_MODEL_POOL_BYTES": "10"}, r"set at most one"),
-        ({"LORAPLEX_SCHEDULER_MAX_BATCHED_TOKENS": "8"}, r"max_batched_tokens \(8\) must be >= scheduler\.max_num_seqs \(64\)"),
+        ({"LORAPLEX_SCHEDULER_MAX_BATCHED_TOKENS": "8"},
+         r"max_batched_tokens \(8\) must be >= scheduler\.max_num_seqs \(64\)"),
         ({"LORAPLEX_MODEL_MAX_MODEL_LEN": "-1"}, r"max_model_len must be positive"),
     ],
 )
@@ -166,7 +170,8 @@ def test_unknown_env_key_is_rejected_with_valid_names() -> None:
 
 
 def test_unknown_file_keys_and_sections_are_rejected(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"scheduler\.max_num_seq .*valid \[scheduler\] settings: policy, max_num_seqs"):
+    with pytest.raises(ConfigError,
+                       match=r"scheduler\.max_num_seq .*valid \[scheduler\] settings: policy, max_num_seqs"):
         load_config(write(tmp_path, "[scheduler]\nmax_num_seq = 8\n"), env={})
     with pytest.raises(ConfigError, match=r"unknown section \[schedular\].*model, scheduler, server, adapters"):
         load_config(write(tmp_path, "[schedular]\nmax_num_seqs = 8\n"), env={})
@@ -176,7 +181,8 @@ def test_unknown_file_keys_and_sections_are_rejected(tmp_path: Path) -> None:
 
 def test_file_values_are_type_checked_strictly(tmp_path: Path) -> None:
     path = write(tmp_path, "[scheduler]\nmax_num_seqs = \"8\"\n")
-    with pytest.raises(ConfigError, match=rf"scheduler\.max_num_seqs: expected an integer, got '8' \(from file {path}\)"):
+    with pytest.raises(ConfigError,
+                       match=rf"scheduler\.max_num_seqs: expected an integer, got '8' \(from file {path}\)"):
         load_config(path, env={})
     with pytest.raises(ConfigError, match="expected an integer"):
         load_config(write(tmp_path, "[scheduler]\nmax_num_seqs = true\n"), env={})
@@ -207,7 +213,8 @@ def test_overrides_accept_typed_and_text_values() -> None:
     assert cfg.model.gpu_memory_utilization == 0.5 and cfg.server.adapter_dirs == ("/x", "/y")
     with pytest.raises(ConfigError, match=r"unknown setting 'scheduler\.max_seqs'"):
         load_config(None, env={}, overrides={"scheduler.max_seqs": 1})
-    with pytest.raises(ConfigError, match=r"max_num_seqs: expected an integer, got 1.5 \(from flag scheduler\.max_num_seqs\)"):
+    with pytest.raises(ConfigError,
+                       match=r"max_num_seqs: expected an integer, got 1.5 \(from flag scheduler\.max_num_seqs\)"):
         load_config(None, env={}, overrides={"scheduler.max_num_seqs": 1.5})
 
 
@@ -272,7 +279,8 @@ def test_config_to_dict_is_plain() -> None:
     d = config_to_dict(cfg)
     assert d["server"]["adapter_dirs"] == ["/a"]  # type: ignore[index]
     assert d["adapters"] == {"x": "/x"}
-    assert d["scheduler"] == {"policy": "fcfs", "max_num_seqs": 64, "max_batched_tokens": 2048, "max_loras_per_batch": 64,
+    assert d["scheduler"] == {"policy": "fcfs", "max_num_seqs": 64, "max_batched_tokens": 2048,
+                              "max_loras_per_batch": 64,
                               "ttft_slo_ms": None, "cluster_adapters": False, "cache_policy": "lru",
                               "cache_predictor": False, "cache_predictor_horizon_s": 5.0, "prefix_cache": True,
                               "admit_when_loaded": True, "overlap": False,
@@ -338,8 +346,8 @@ def test_config_modules_import_no_torch_numpy_or_zmq() -> None:
 def test_the_engine_spec_is_built_once_from_the_settings_and_travels_typed() -> None:
     """Every [model] engine setting, the largest batch and the adapter directories reach the
     children as one typed spec; JSON (the child's command line) carries it back unchanged."""
-    from loraplex.daemon.config import ENGINE_SETTINGS
     from loraplex.contracts.engine_spec import EngineSpec
+    from loraplex.daemon.config import ENGINE_SETTINGS
 
     assert set(ENGINE_SETTINGS) | {"load_groups"} == {f for f in config_to_dict(LoraplexConfig())["model"]}
     cfg = load_config(None, env={}, overrides={"model.dtype": "bfloat16", "model.num_pages": 333,
@@ -362,11 +370,11 @@ def test_every_default_is_defined_once() -> None:
     """The [model] section's engine settings default to the engine spec's, the [scheduler] limits to
     the scheduler's own (max_loras_per_batch 64, admit_when_loaded on), and the largest batch is
     one number everywhere."""
+    from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS, EngineSpec
     from loraplex.daemon.config import ENGINE_SETTINGS
     from loraplex.daemon.router.state import EngineState
     from loraplex.daemon.scheduler.config import SchedulerConfig
     from loraplex.daemon.sim.profile import SimProfile
-    from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS, EngineSpec
 
     model, engine = ModelSettings(), EngineSpec()
     assert {n: getattr(model, n) for n in ENGINE_SETTINGS} == {n: getattr(engine, n) for n in ENGINE_SETTINGS}

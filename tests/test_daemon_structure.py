@@ -1,5 +1,6 @@
 """The control plane's shape, read from the source: no module in daemon/ is longer than 500
-lines, no function longer than 60, and no daemon class is assembled from mixins (the serving core owns collaborators with
+lines, no function longer than 60, and no daemon class is assembled from mixins (the serving
+core owns collaborators with
 small interfaces instead of inheriting their methods and reaching into a shared `self`)."""
 from __future__ import annotations
 
@@ -115,4 +116,5 @@ def test_the_checks_can_fail() -> None:
     assert not _is_real_base("Needs", classes)
     func = next(n for n in sample.body if isinstance(n, ast.FunctionDef))
     assert func.end_lineno - func.lineno + 1 > MAX_FUNCTION_LINES
-    assert _oversized({"daemon/x.py": MAX_MODULE_LINES + 1, "daemon/y.py": MAX_MODULE_LINES}) == ["daemon/x.py (501 lines)"]
+    assert _oversized({"daemon/x.py": MAX_MODULE_LINES + 1,
+                       "daemon/y.py": MAX_MODULE_LINES}) == ["daemon/x.py (501 lines)"]

@@ -9,6 +9,8 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from loraplex.contracts.demo import demo_adapter_dirs
+from loraplex.daemon.model_scope import model_scope
 from loraplex.gpu_engine.demo import (
     STYLES,
     TRAINED_ADAPTERS,
@@ -17,8 +19,6 @@ from loraplex.gpu_engine.demo import (
     install_trained_demo,
     trained_demo,
 )
-from loraplex.contracts.demo import demo_adapter_dirs
-from loraplex.daemon.model_scope import model_scope
 from loraplex.gpu_engine.demo.evaluate import EVAL_PROMPTS, amen_ratio, generate_all, reversed_ratio, upper_ratio
 from loraplex.gpu_engine.demo.styles import amen, reverse_words, upper
 from loraplex.gpu_engine.demo.tiny_llama import TinyLlama

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from loraplex import LLM, SamplingParams
 from loraplex.errors import (
     AdapterError,
     AdapterRankError,
@@ -14,7 +15,6 @@ from loraplex.errors import (
     PromptTooLongError,
     UnknownAdapterError,
 )
-from loraplex import LLM, SamplingParams
 from loraplex.gpu_engine.demo import write_random_adapter
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

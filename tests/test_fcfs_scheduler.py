@@ -9,7 +9,6 @@ was batched, chunked or preempted.
 from __future__ import annotations
 
 import dataclasses
-
 import random
 import subprocess
 import sys

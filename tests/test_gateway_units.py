@@ -7,8 +7,6 @@ import asyncio
 import json
 
 import pytest
-
-from loraplex.ipc.guided import Guided
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,6 +19,7 @@ from loraplex.gateway.openai_format import Tokens
 from loraplex.gateway.schema import COMPLETIONS_DEFAULT_MAX_TOKENS, parse_chat, parse_completion
 from loraplex.ipc.client import GenerateResult
 from loraplex.ipc.errors import ErrorCode, LoraplexError
+from loraplex.ipc.guided import Guided
 
 
 # ---- requests -----------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from loraplex.contracts.geometry import (
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def llama_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, tuple[int, int]]:
+def llama_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int,
+                 head_dim: int) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) per projection, as ModelConfig.module_shapes() gives them."""
     q, kv = heads * head_dim, kv_heads * head_dim
     return {

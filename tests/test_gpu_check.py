@@ -22,9 +22,8 @@ STAGES = ("build-test", "kernels", "e2e", "cpu-many-core")
 def harness():
     sys.path.insert(0, str(BENCH))
     try:
-        from gpu_stages import harness, summary
-
         import gpu_report
+        from gpu_stages import harness, summary
 
         yield harness, summary, gpu_report
     finally:

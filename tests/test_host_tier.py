@@ -94,7 +94,8 @@ def test_the_host_tier_and_its_driver_import_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, loraplex.daemon.host_tier, loraplex.daemon.host_service, loraplex.daemon.host_loads, loraplex.daemon.cache_link; "
+    code = ("import sys, loraplex.daemon.host_tier, loraplex.daemon.host_service, loraplex.daemon.host_loads, "
+            "loraplex.daemon.cache_link; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 
 from loraplex.ipc.codec import decode, encode
 from loraplex.ipc.errors import ErrorCode, ProtocolError
-from loraplex.ipc.protocol import MAX_TOKEN_ID
 from loraplex.ipc.protocol import (
     ADAPTER_PATHS,
     FINISH_REASONS,
+    MAX_TOKEN_ID,
     CancelRequest,
     DoneReply,
     ErrorReply,
@@ -126,7 +126,8 @@ _text_generate = st.builds(GenerateRequest, request_id=_request_ids, prompt=st.t
 @st.composite
 def _token_chunks(draw: st.DrawFn) -> TokenChunk:
     ids = draw(st.lists(st.integers(min_value=0, max_value=MAX_TOKEN_ID), max_size=50))
-    logprobs = draw(st.none() | st.lists(st.floats(min_value=-1e30, max_value=0.0), min_size=len(ids), max_size=len(ids)))
+    logprobs = draw(st.none() | st.lists(st.floats(min_value=-1e30, max_value=0.0),
+                                         min_size=len(ids), max_size=len(ids)))
     return TokenChunk(
         request_id=draw(_request_ids), token_ids=ids, text=draw(st.text(max_size=100)),
         logprobs=logprobs, index=draw(st.integers(min_value=0, max_value=2**40)),
@@ -136,7 +137,8 @@ def _token_chunks(draw: st.DrawFn) -> TokenChunk:
 @st.composite
 def _dones(draw: st.DrawFn) -> DoneReply:
     completion = draw(st.integers(min_value=0, max_value=10_000))
-    timings: dict[str, float | str] = {"queue_ms": draw(_ms), "e2e_ms": draw(_ms), "adapter_path": draw(st.sampled_from(ADAPTER_PATHS))}
+    timings: dict[str, float | str] = {"queue_ms": draw(_ms), "e2e_ms": draw(_ms),
+                                       "adapter_path": draw(st.sampled_from(ADAPTER_PATHS))}
     if completion:
         timings.update(ttft_ms=draw(_ms), tpt_ms=draw(_ms))
     return DoneReply(
@@ -160,9 +162,12 @@ _valid_messages = st.one_of(
     _token_chunks(),
     _dones(),
     st.builds(CancelRequest, request_id=_request_ids),
-    st.builds(ErrorReply, request_id=st.none() | _request_ids, code=st.sampled_from([c.value for c in ErrorCode]), message=st.text(max_size=300)),
-    st.builds(StatsReply, stats=st.dictionaries(st.text(max_size=10), _finite_plain, max_size=6), request_id=st.none() | _request_ids),
-    st.builds(SetPolicyRequest, kind=st.sampled_from(["scheduler", "cache"]), name=_names, request_id=st.none() | _request_ids),
+    st.builds(ErrorReply, request_id=st.none() | _request_ids, code=st.sampled_from([c.value for c in ErrorCode]),
+              message=st.text(max_size=300)),
+    st.builds(StatsReply, stats=st.dictionaries(st.text(max_size=10), _finite_plain, max_size=6),
+              request_id=st.none() | _request_ids),
+    st.builds(SetPolicyRequest, kind=st.sampled_from(["scheduler", "cache"]), name=_names,
+              request_id=st.none() | _request_ids),
 )
 
 

@@ -4,41 +4,47 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-
 from typing import Annotated
 
 import msgpack
 import pytest
 
+from loraplex.ipc.adapter_store import store_entry_layout
 from loraplex.ipc.codec import DecodeLimits, decode, encode
+from loraplex.ipc.engine_plan import (
+    AdapterPlacement,
+    GrammarOrder,
+    RowPlan,
+    RowResult,
+    SamplingSpec,
+    StepPlan,
+    StepResult,
+)
 from loraplex.ipc.errors import ErrorCode, LoraplexError, ProtocolError
+from loraplex.ipc.exchange import exchange_layout, llama_module_shapes
 from loraplex.ipc.messages.checks import InInterval, InRange, Length, TokenIds
+from loraplex.ipc.plan_delta import PlanEncoder
 from loraplex.ipc.protocol import (
     PROTOCOL_VERSION,
-    ChoiceOutcome,
-    DetokenizedReply,
-    DetokenizeRequest,
-    TokenizedReply,
-    TokenizeRequest,
-    PromptLogprobs,
-    TopLogprobs,
     AdaptersReply,
     AddAdapterRequest,
     AdminOkReply,
+    CacheHello,
+    CacheStoreFull,
     CancelRequest,
+    ChoiceOutcome,
+    CpuCalibrate,
+    CpuCalibration,
+    CpuJobDone,
+    CpuJobSlice,
+    CpuLoraJob,
+    CpuWorkerFailure,
+    CpuWorkerHello,
+    CpuWorkerShutdown,
+    DetokenizedReply,
+    DetokenizeRequest,
     DoneReply,
     DrainRequest,
-    ErrorReply,
-    GenerateRequest,
-    ListAdaptersRequest,
-    PinAdapterRequest,
-    PingRequest,
-    PongReply,
-    RemoveAdapterRequest,
-    SetPolicyRequest,
-    PauseRequest,
-    StatsReply,
-    StatsRequest,
     EngineAdapterLoaded,
     EngineFailure,
     EngineHello,
@@ -48,30 +54,28 @@ from loraplex.ipc.protocol import (
     EngineStepDelta,
     EngineStepDone,
     EngineUnloadAdapter,
-    Message,
-    TokenChunk,
-    message_types,
-    register,
-)
-from loraplex.ipc.adapter_store import store_entry_layout
-from loraplex.ipc.engine_plan import (AdapterPlacement, GrammarOrder, RowPlan, RowResult, SamplingSpec, StepPlan,
-                                      StepResult)
-from loraplex.ipc.exchange import exchange_layout, llama_module_shapes
-from loraplex.ipc.plan_delta import PlanEncoder
-from loraplex.ipc.protocol import (
-    CacheHello,
-    CacheStoreFull,
-    CpuCalibrate,
-    CpuCalibration,
-    CpuJobDone,
-    CpuJobSlice,
-    CpuLoraJob,
-    CpuWorkerFailure,
-    CpuWorkerHello,
-    CpuWorkerShutdown,
+    ErrorReply,
+    GenerateRequest,
     GrammarCompile,
     GrammarCompiled,
     GrammarWorkerHello,
+    ListAdaptersRequest,
+    Message,
+    PauseRequest,
+    PinAdapterRequest,
+    PingRequest,
+    PongReply,
+    PromptLogprobs,
+    RemoveAdapterRequest,
+    SetPolicyRequest,
+    StatsReply,
+    StatsRequest,
+    TokenChunk,
+    TokenizedReply,
+    TokenizeRequest,
+    TopLogprobs,
+    message_types,
+    register,
 )
 
 _EXCHANGE = exchange_layout("/lpx-0123456789ab-exchange", 2, llama_module_shapes(64, 64, 32, 96), 16)
@@ -181,7 +185,8 @@ SAMPLES: list[Message] = [
     ),
     ErrorReply(request_id="req-7f3a", code="unknown_adapter", message="no adapter named 'x'"),
     AdaptersReply(
-        adapters=[{"name": "a1", "path": "/srv/a1", "rank": 16, "target_modules": ["q_proj", "v_proj"], "state": "gpu", "pinned": True}],
+        adapters=[{"name": "a1", "path": "/srv/a1", "rank": 16, "target_modules": ["q_proj", "v_proj"],
+                   "state": "gpu", "pinned": True}],
         request_id="l1",
     ),
     StatsReply(stats={"queue_depth": 3, "gpu": {"util": 0.5, "pages": [1, 2]}, "name": "x"}, request_id="s1"),
@@ -334,12 +339,14 @@ REJECTIONS = {
     "bad finish_reason": (_done(finish_reason="tired"), FIELD),
     "usage missing key": (_done(usage={"prompt_tokens": 1}), FIELD),
     "negative usage": (_done(usage={"prompt_tokens": -1, "completion_tokens": 0}), FIELD),
-    "timings missing ttft": (_done(timings={"queue_ms": 1.0, "e2e_ms": 2.0, "tpt_ms": 1.0, "adapter_path": "base"}), FIELD),
+    "timings missing ttft": (_done(timings={"queue_ms": 1.0, "e2e_ms": 2.0, "tpt_ms": 1.0, "adapter_path": "base"}),
+                             FIELD),
     "bad adapter_path": (_done(timings={**TIMINGS, "adapter_path": "teleported"}), FIELD),
     "negative timing": (_done(timings={**TIMINGS, "queue_ms": -1.0}), FIELD),
     "logprobs length": (_raw(v=1, type="token", request_id="r", token_ids=[1, 2], logprobs=[-1.0]), FIELD),
     "adapter entry rank -1": (
-        _raw(v=1, type="adapter_list", adapters=[{"name": "a", "path": "/a", "rank": -1, "target_modules": [], "state": "host"}]),
+        _raw(v=1, type="adapter_list",
+             adapters=[{"name": "a", "path": "/a", "rank": -1, "target_modules": [], "state": "host"}]),
         FIELD,
     ),
     "relative adapter path": (_raw(v=1, type="add_adapter", name="a", path="adapters/a"), FIELD),

@@ -104,7 +104,8 @@ def test_demo_model_mixed_batch_matches_torch_backend(demo) -> None:
         for name, path in demo.adapters.items():
             llm.add_adapter(name, path)
         g = torch.Generator().manual_seed(9)
-        prompts = [torch.randint(3, llm.config.vocab_size, (n,), generator=g).tolist() for n in (5, 21, 9, 30, 3, 12, 17)]
+        prompts = [torch.randint(3, llm.config.vocab_size, (n,), generator=g).tolist()
+                   for n in (5, 21, 9, 30, 3, 12, 17)]
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
         outs[backend] = llm.generate(prompts, adapters=names, sampling=params)
     for name, ref, got in zip(names, outs["torch"], outs["triton"]):

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.daemon.config import ConfigError, ModelSettings
 from loraplex import LLM, SamplingParams
+from loraplex.contracts.engine_spec import EngineSpec
+from loraplex.daemon.config import ConfigError, ModelSettings
 from loraplex.gpu_engine.demo import llama_config
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.weights import random_weights
-from loraplex.contracts.engine_spec import EngineSpec
 
 
 def config_only(tmp_path: Path, **overrides) -> Path:

@@ -10,9 +10,9 @@ import signal
 import pytest
 import torch
 
+from loraplex import LLM, SamplingParams
 from loraplex.daemon.router import ROUTERS
 from loraplex.daemon.scheduler.factory import POLICIES
-from loraplex import LLM, SamplingParams
 from loraplex.ipc.client import AdminClient, AsyncClient
 from tests.daemon_process import DaemonProcess
 

@@ -9,17 +9,16 @@ import ast
 import ctypes
 import importlib
 import inspect
+import math
 import mmap
 import multiprocessing
-import math
+import os
 import random
 import re
 import signal
 import threading
 import time
 from pathlib import Path
-
-import os
 
 import pytest
 

@@ -174,6 +174,7 @@ def test_building_the_package_prints_no_setuptools_warnings(tmp_path: Path) -> N
 
 def test_the_readme_shows_how_to_add_the_cluster_extra_from_a_checkout() -> None:
     import re
+
     import tomllib
 
     section = (ROOT / "README.md").read_text().split("### Beyond one node")[1].split("\n### ")[0]

@@ -104,7 +104,8 @@ def test_a_decode_delta_grows_with_the_batch_not_the_context() -> None:
     small, small_full = decode_bytes(64, 256)
     long_ctx, long_full = decode_bytes(64, 4096)
     wide, _ = decode_bytes(256, 4096)
-    assert long_full - small_full > 64 * (4096 - 256) // 16  # whole tables grow with the context (a page id a row each 16 tokens)...
+    # whole tables grow with the context (a page id a row each 16 tokens)...
+    assert long_full - small_full > 64 * (4096 - 256) // 16
     assert long_ctx < 1.1 * small  # ...a delta does not
     assert 3 * small < wide < 5 * small  # and it grows with the batch
 
@@ -114,7 +115,8 @@ def test_a_fed_row_gets_the_token_its_last_step_sampled_and_old_tables_never_cha
     sampling = SamplingSpec(seed=rng.randrange(1000))
     pages = [rng.randrange(900) for _ in range(2)]
     encoder, book = PlanEncoder(), PlanBook()
-    first = book.feed(book.expand(wire(encoder, StepPlan(1, [RowPlan("x", [4, 9, 7], 0, pages, None, True, sampling)]))))
+    first = book.feed(book.expand(wire(encoder,
+                                       StepPlan(1, [RowPlan("x", [4, 9, 7], 0, pages, None, True, sampling)]))))
     token = rng.randrange(3, 500)
     book.sampled(StepResult(1, [RowResult("x", token, None)]))
     grown = pages + [rng.randrange(900, 1800)]

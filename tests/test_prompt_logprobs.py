@@ -20,8 +20,14 @@ from loraplex.daemon.scheduler.prefix_reuse import reuses_prefix
 from loraplex.daemon.scheduler.sequence import SeqRequest, Sequence
 from loraplex.gpu_engine import prompt_logprobs as scoring
 from loraplex.ipc import codec
-from loraplex.ipc.engine_plan import (MAX_PROMPT_LOGPROB_ENTRIES, PromptLogprobChunk, RowPlan, SamplingSpec, StepPlan,
-                                      StepResult)
+from loraplex.ipc.engine_plan import (
+    MAX_PROMPT_LOGPROB_ENTRIES,
+    PromptLogprobChunk,
+    RowPlan,
+    SamplingSpec,
+    StepPlan,
+    StepResult,
+)
 from loraplex.ipc.plan_delta import PlanBook, PlanEncoder
 from loraplex.ipc.protocol import EngineStepDelta, EngineStepDone, GenerateRequest
 from tests.hf_reference import prompt_logprobs as reference

@@ -11,8 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loraplex.daemon.router import (
-    ROUTERS, DloraRouter, EngineRequest, EngineState, KernelCost, NoEngineError, PerfProfile, RequestInfo,
-    make_router, pending_s,
+    ROUTERS,
+    DloraRouter,
+    EngineRequest,
+    EngineState,
+    KernelCost,
+    NoEngineError,
+    PerfProfile,
+    RequestInfo,
+    make_router,
+    pending_s,
 )
 
 
@@ -335,8 +343,8 @@ def test_step_times_learn_what_a_prefill_token_adds_to_a_step() -> None:
 
 
 def test_engine_snapshot_carries_each_running_request_tpt_so_far() -> None:
-    from loraplex.daemon.memory.allocator import PageAllocator
     from loraplex.contracts.geometry import PageGeometry
+    from loraplex.daemon.memory.allocator import PageAllocator
     from loraplex.daemon.router.snapshot import engine_state
     from loraplex.daemon.scheduler.config import SchedulerConfig
     from loraplex.daemon.scheduler.factory import make_scheduler

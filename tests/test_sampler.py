@@ -57,7 +57,7 @@ def test_processing_and_top_logprobs_match_a_torch_reference(trial: int) -> None
     rng = random.Random(1000 + trial)
     torch.manual_seed(trial)
     sampler = Sampler(VOCAB, EOS)
-    rows, plain_rows, expected = [], [], []
+    rows, expected = [], []
     for r in range(8):
         spec = _random_spec(rng, plain=r % 3 == 0)
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]

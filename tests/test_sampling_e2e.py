@@ -13,6 +13,7 @@ import pytest
 
 from loraplex import cli
 from loraplex.ipc.client import AsyncClient, LoraplexError
+
 # The module's own daemon and gateway, started by the same fixtures as the gateway's e2e tests.
 from tests.test_gateway_e2e import BASE, _post, daemon, gateway  # noqa: F401
 
@@ -267,9 +268,11 @@ def test_done_check_a_repeated_long_prompt_is_cached_through_openai(oai, daemon)
     """The issue's check for the prefix cache: a repeated long prompt reports cached_tokens > 0
     in usage and gives the same greedy text as the first time; `loraplex stats` shows the hits."""
     prompt = "ROMEO: " + " ".join(f"word{i}" for i in range(120))
-    first = oai.completions.create(model="qv-r8", prompt=prompt, **{k: v for k, v in GREEDY.items() if k != "ignore_eos"},
+    first = oai.completions.create(model="qv-r8", prompt=prompt,
+                                   **{k: v for k, v in GREEDY.items() if k != "ignore_eos"},
                                    extra_body={"ignore_eos": True})
-    again = oai.completions.create(model="qv-r8", prompt=prompt, **{k: v for k, v in GREEDY.items() if k != "ignore_eos"},
+    again = oai.completions.create(model="qv-r8", prompt=prompt,
+                                   **{k: v for k, v in GREEDY.items() if k != "ignore_eos"},
                                    extra_body={"ignore_eos": True})
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens

@@ -4,12 +4,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_fcfs_scheduler import assert_drained, reference, request
+from test_sched_common import FakeClock, TimedEngine, build, drive
 
 from loraplex.daemon.scheduler.factory import POLICIES
 from loraplex.daemon.scheduler.sequence import SeqStatus
 from loraplex.ipc.errors import ErrorCode
-from test_fcfs_scheduler import assert_drained, reference, request
-from test_sched_common import FakeClock, TimedEngine, build, drive
 
 # With the cost model's prior (5 ms + 0.05 ms/token) a full 32-token step takes 6.6 ms, so the
 # k-th 64-token prompt in line (2 steps each) sees its first token after 13.2·k ms.

@@ -14,6 +14,16 @@ from typing import Callable
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from test_fcfs_scheduler import (
+    ADAPTER_PAGES,
+    VOCAB,
+    FakeEngine,
+    assert_drained,
+    model_token,
+    reference,
+    request,
+    worst_pages,
+)
 
 from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.memory.allocator import PageAllocator
@@ -25,9 +35,6 @@ from loraplex.daemon.scheduler.fcfs import FcfsScheduler
 from loraplex.daemon.scheduler.mlq import MlqConfig, MlqScheduler
 from loraplex.daemon.scheduler.sequence import SeqRequest, SeqStatus, Sequence
 from loraplex.ipc.engine_plan import StepPlan, StepResult
-from test_fcfs_scheduler import (
-    ADAPTER_PAGES, VOCAB, FakeEngine, assert_drained, model_token, reference, request, worst_pages,
-)
 
 RANKS = {"ada": 8, "bob": 16, "cat": 64}
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from loraplex.daemon.scheduler.dlora import DloraConfig, DloraScheduler
 from test_fcfs_scheduler import assert_drained, reference, request
 from test_sched_common import FakeClock, TimedEngine, build, drive
+
+from loraplex.daemon.scheduler.dlora import DloraConfig, DloraScheduler
 
 
 def _sched(clock: FakeClock, **dlora) -> DloraScheduler:

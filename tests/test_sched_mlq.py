@@ -7,12 +7,12 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_fcfs_scheduler import VOCAB, assert_drained, reference, request, worst_pages
+from test_sched_common import FakeClock, TimedEngine, build, drive
 
 from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.scheduler.kmeans import choose_clusters, kmeans_1d
 from loraplex.daemon.scheduler.mlq import MlqConfig, MlqScheduler, sqrt_shares
-from test_fcfs_scheduler import VOCAB, assert_drained, reference, request, worst_pages
-from test_sched_common import FakeClock, TimedEngine, build, drive
 
 
 def test_kmeans_finds_separated_clusters_and_cuts_between_them() -> None:

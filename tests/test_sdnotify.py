@@ -73,7 +73,7 @@ def test_deploy_files_are_consistent():
                  "RuntimeDirectory=loraplex", "StateDirectory=loraplex", "CacheDirectory=loraplex",
                  "ReadWritePaths=/dev/shm", "CapabilityBoundingSet="):
         assert line in unit.splitlines(), line
-    stop = int(next(l for l in unit.splitlines() if l.startswith("TimeoutStopSec=")).split("=")[1])
+    stop = int(next(ln for ln in unit.splitlines() if ln.startswith("TimeoutStopSec=")).split("=")[1])
     assert stop >= load_config(None, env={}).server.drain_timeout_s
 
 

@@ -14,11 +14,11 @@ import resource
 import pytest
 
 from loraplex.cli import main as cli_main
+from loraplex.daemon.sim import simulator
 from loraplex.daemon.sim.profile import SimProfile
 from loraplex.daemon.sim.progress import Progress, fmt_s
 from loraplex.daemon.sim.runner import SimRun, run_all
 from loraplex.daemon.sim.scenarios import SCENARIOS, run_variants, runs_per_rate
-from loraplex.daemon.sim import simulator
 from loraplex.daemon.sim.simulator import SimConfig, simulate
 from loraplex.daemon.sim.workload import WorkloadSpec, generate
 from tests.test_sim import _NO_TRACE, _uses_trace

@@ -21,7 +21,8 @@ def _trace(n: int) -> list[RequestEvent]:
     events = []
     for i in range(n):
         adapter = ADAPTERS[i % len(ADAPTERS)]
-        events.append(RequestEvent(request_id=f"r{i:03d}", arrival_s=0.0, adapter=adapter, rank=0 if adapter is None else 4,
+        events.append(RequestEvent(request_id=f"r{i:03d}", arrival_s=0.0, adapter=adapter,
+                                   rank=0 if adapter is None else 4,
                                    prompt_len=20 + 37 * i % 300, output_len=3 + 5 * i % 17))
     return events
 
@@ -57,7 +58,9 @@ def _daemon_decisions(events: list[RequestEvent], policy: str, max_num_seqs: int
             await core.add_adapter(name, f"/stub/{name}")
         # Every request is queued before the step loop first runs (no await yields in between).
         for e in events:
-            await core.submit(b"client", GenerateRequest(request_id=e.request_id, prompt_token_ids=prompt_tokens(e.request_id, e.prompt_len, vocab=200),
+            await core.submit(b"client", GenerateRequest(request_id=e.request_id,
+                                                         prompt_token_ids=prompt_tokens(e.request_id, e.prompt_len,
+                                                                                        vocab=200),
                                                          adapter=e.adapter, max_tokens=e.output_len, ignore_eos=True,
                                                          temperature=0.0))
         while len(finished) < len(events):

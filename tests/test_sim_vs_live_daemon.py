@@ -9,13 +9,13 @@ import time
 
 import pytest
 
+from loraplex.cli import main as cli_main
 from loraplex.daemon.decision_log import read_decisions
 from loraplex.daemon.sim.profile import SimProfile
 from loraplex.daemon.sim.simulator import SimConfig, simulate
 from loraplex.daemon.sim.workload import RequestEvent, prompt_tokens
 from loraplex.ipc.client import AdminClient
 from loraplex.ipc.client_async import AsyncClient
-from loraplex.cli import main as cli_main
 from tests.daemon_process import DaemonProcess
 
 # Demo adapters of three ranks, and the base model.
@@ -35,7 +35,8 @@ def _trace(n: int) -> list[RequestEvent]:
 async def _send_all(daemon: DaemonProcess, events: list[RequestEvent]) -> list[str]:
     async with AsyncClient(runtime_dir=daemon.runtime_dir) as client:
         # One connection, requests created in trace order: the daemon queues them in that order.
-        tasks = [asyncio.create_task(client.generate(prompt_tokens(e.request_id, e.prompt_len, vocab=200), adapter=e.adapter,
+        tasks = [asyncio.create_task(client.generate(prompt_tokens(e.request_id, e.prompt_len, vocab=200),
+                                                     adapter=e.adapter,
                                                      max_tokens=e.output_len, ignore_eos=True, temperature=0.0,
                                                      request_id=e.request_id, timeout=120))
                  for i, e in enumerate(events)]

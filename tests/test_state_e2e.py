@@ -5,7 +5,6 @@ line naming the first one's pid (as is a registry repair), and with the state di
 so a restart agrees with what clients were told."""
 from __future__ import annotations
 
-import os
 import resource
 import sqlite3
 import subprocess

@@ -16,7 +16,7 @@ from loraplex.daemon.router import ROUTERS
 from loraplex.daemon.serving import ServingCore
 from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.plan_delta import PlanBook
-from loraplex.ipc.protocol import EngineFailure, EngineStep, EngineStepDelta, EngineStepDone
+from loraplex.ipc.protocol import EngineFailure, EngineStep, EngineStepDelta
 from tests.test_multi_engine import FakeEngine, PinToFirst, Recorder, expected, start, submit_all, wait_for
 
 

@@ -52,7 +52,8 @@ def _engine(demo, **kwargs) -> LLM:
 
 @pytest.fixture(scope="module")
 def free_alone(demo):
-    return _engine(demo, num_pages=512).generate(PROMPTS, adapters=NAMES, sampling=[_params(i, False) for i in range(6)])
+    return _engine(demo, num_pages=512).generate(PROMPTS, adapters=NAMES,
+                                                 sampling=[_params(i, False) for i in range(6)])
 
 
 def _check(i: int, text: str, finish_reason: str) -> None:
@@ -94,8 +95,9 @@ def test_a_grammar_that_does_not_compile_is_refused_with_its_reason(demo):
     with pytest.raises(ValueError, match="JSON schema must be a JSON object"):
         Guided.json("[1, 2]")
     # In the engine the row fails alone: its result names the error, the other rows sample.
-    from loraplex.ipc.engine_plan import RowPlan, SamplingSpec
     import torch
+
+    from loraplex.ipc.engine_plan import RowPlan, SamplingSpec
 
     bad = SamplingSpec(guided_kind="json_schema", guided_spec='{"type": "no-such-type"}')
     rows = [RowPlan(request_id=rid, token_ids=[5, 6], start_pos=0, kv_pages=[0], adapter=None, sample=True,

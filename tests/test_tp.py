@@ -12,9 +12,9 @@ import torch
 from loraplex.contracts.tensor_parallel import COLUMN_PARALLEL, TensorParallelPlan
 from loraplex.gpu_engine.demo import demo_model_config, write_random_adapter
 from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
+from loraplex.gpu_engine.lora.torch_backend import place_adapter
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.pool import UnifiedPool
-from loraplex.gpu_engine.lora.torch_backend import place_adapter
 from loraplex.gpu_engine.tp.partition import shard_adapter
 from tests.tp_support import Case, single_device_run, spawn_ranks
 

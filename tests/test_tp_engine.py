@@ -182,8 +182,8 @@ def test_ranks_that_disagree_on_a_load_drop_the_adapter_everywhere(demo, adapter
     would differ); one that failed on all leaves every rank as it was; a step failed elsewhere fails."""
     from loraplex.gpu_engine.engine_orders import EngineOrders
     from loraplex.gpu_engine.runtime import build_runtime
-    from loraplex.ipc.protocol import EngineAdapterLoaded, EngineFailure, EngineLoadAdapter, EngineStep
     from loraplex.ipc.engine_plan import StepPlan
+    from loraplex.ipc.protocol import EngineAdapterLoaded, EngineFailure, EngineLoadAdapter, EngineStep
 
     orders = EngineOrders(build_runtime(EngineSpec(model=str(demo.model_dir), device="cpu", num_pages=64)))
     host = orders.runtime.executor.host

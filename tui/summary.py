@@ -10,7 +10,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from loraplex.tui.format import (
-    MISSING, dig, fmt_count, fmt_duration, fmt_ms, fmt_pct, fmt_text, latency_ms, num, rows,
+    MISSING,
+    dig,
+    fmt_count,
+    fmt_duration,
+    fmt_ms,
+    fmt_pct,
+    fmt_text,
+    latency_ms,
+    num,
+    rows,
 )
 
 SEP = " · "
@@ -50,7 +59,8 @@ def _pool(stats: Mapping[str, Any]) -> str:
     used = total - free
     return _line("pool", f"{used:.0f}/{total:.0f} pages used ({fmt_pct(used / total)})",
                  f"kv {fmt_count(dig(pool, 'kv'))}",
-                 f"cached prefixes {fmt_count(dig(pool, 'prefix_cache'))}" if dig(pool, "prefix_cache") is not None else "",
+                 (f"cached prefixes {fmt_count(dig(pool, 'prefix_cache'))}"
+                  if dig(pool, "prefix_cache") is not None else ""),
                  f"adapters {fmt_count(dig(pool, 'adapter'))}")
 
 

@@ -23,7 +23,8 @@ def workers_vs_threads(ctx: StageContext) -> None:
     report = ctx.run("workers_vs_threads", ["cpu_lora_compute.py", "--json", *args], est_s=20 if ctx.dry_run else 240)
     if report is not None:
         s = report["summary"]
-        ctx.figures["workers_vs_threads"] = {"workers": report["config"]["workers"], "ratio_geomean": s["ratio_geomean"],
+        ctx.figures["workers_vs_threads"] = {"workers": report["config"]["workers"],
+                                             "ratio_geomean": s["ratio_geomean"],
                                              "ratio_min": s["ratio_min"], "ratio_max": s["ratio_max"],
                                              "by_case": {f"r{r['rank']}/{r['prompt_len']}": round(r["ratio"], 3)
                                                          for r in report["parallel"]}}

@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import ClassVar, Literal
 from typing import Sequence as Seq
 
+from loraplex.daemon.json_file import read_json_file
 from loraplex.daemon.router.base import Router, healthy
 from loraplex.daemon.router.state import EngineState, RequestInfo, lora_units
-from loraplex.daemon.json_file import read_json_file
 
 Kernel = Literal["bgmv", "mbgmv"]
 KERNELS: tuple[str, ...] = ("bgmv", "mbgmv")

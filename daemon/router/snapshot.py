@@ -13,7 +13,6 @@ from typing import Callable
 
 from loraplex.daemon.router.state import EngineRequest, EngineState, lora_units
 
-
 # Weight of the newest step in the observed step-time averages. Fast on purpose: the time the
 # PERF model does not explain is mostly the prefill chunks in flight now, and routing away from
 # an engine busy with a long prompt is what keeps its decoding requests within the SLO

@@ -11,9 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from loraplex.daemon.gpu_cache.predictor import PredictorConfig
 from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS
-
+from loraplex.daemon.gpu_cache.predictor import PredictorConfig
 
 PREFIX_EVICTIONS = ("unified", "separate")
 

@@ -47,7 +47,8 @@ class DloraConfig:
     ema: float = 0.2  # weight of the newest sample in throughput averages
 
     def __post_init__(self) -> None:
-        if not 0 < self.threshold_gap < 1 or not 0 <= self.unmerge_threshold <= self.merge_threshold - self.threshold_gap:
+        if (not 0 < self.threshold_gap < 1
+                or not 0 <= self.unmerge_threshold <= self.merge_threshold - self.threshold_gap):
             raise ValueError("dLoRA thresholds need 0 <= unmerge_threshold <= merge_threshold - threshold_gap")
         if self.merge_threshold > 1:
             raise ValueError("merge_threshold is a share of requests: at most 1")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from loraplex.daemon.decision_log import StepDecision, write_decisions
-from loraplex.daemon.sim.metrics import format_table, ratios, summarize
+from loraplex.daemon.sim.metrics import format_table, ratios
 from loraplex.daemon.sim.profile import SimProfile
 from loraplex.daemon.sim.progress import Progress
 from loraplex.daemon.sim.runner import default_workers

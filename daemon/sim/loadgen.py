@@ -85,7 +85,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arrival", default="poisson", help="poisson | gamma | trace")
     parser.add_argument("--rate", type=float, default=2.0, help="arrival rate, req/s")
     parser.add_argument("--cv", type=float, default=w.cv)
-    parser.add_argument("--adapters", type=int, default=w.num_adapters, help="workload adapters (mapped onto live ones)")
+    parser.add_argument("--adapters", type=int, default=w.num_adapters,
+                        help="workload adapters (mapped onto live ones)")
     parser.add_argument("--zipf", type=float, default=w.zipf_exponent)
     parser.add_argument("--lengths", default=w.lengths)
     parser.add_argument("--prompt-mean", type=int, default=64)

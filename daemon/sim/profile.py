@@ -10,9 +10,9 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from loraplex.daemon.router.rank_aware import KernelCost, PerfProfile
-from loraplex.daemon.json_file import read_json_file
 from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS
+from loraplex.daemon.json_file import read_json_file
+from loraplex.daemon.router.rank_aware import KernelCost, PerfProfile
 
 MIB = 1 << 20
 

@@ -8,14 +8,16 @@ Nothing here downloads anything.
 """
 from __future__ import annotations
 
+from loraplex.contracts.demo import default_demo_dir
+
 from .adapter import write_random_adapter
 from .builtin import DEMO_ENV, DEMO_KINDS, builtin_demo, builtin_demo_kind
 from .checkpoint import llama_config, mistral_config, qwen2_config, write_random_checkpoint
 from .families import FAMILIES, family_config
-from .model import DEMO_ADAPTERS, DemoAdapterSpec, DemoModel, default_demo_dir, demo_model_config, ensure_demo_model
+from .model import DEMO_ADAPTERS, DemoAdapterSpec, DemoModel, demo_model_config, ensure_demo_model
+from .packaged import TRAINED_ADAPTERS, TRAINED_DIR, install_trained_demo, trained_demo
 from .styles import STYLES, Style
 from .tokenizer import build_demo_tokenizer, write_tokenizer
-from .packaged import TRAINED_ADAPTERS, TRAINED_DIR, install_trained_demo, trained_demo
 
 __all__ = [
     "DEMO_ADAPTERS",

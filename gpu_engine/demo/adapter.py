@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-
 # Per-element rms of s·(x Aᵀ) Bᵀ relative to the base output x Wᵀ (whose rms
 # equals rms(x) under the checkpoint's 1/sqrt(in) weight scale): visible, not dominant.
 LORA_DELTA_RATIO = 0.3

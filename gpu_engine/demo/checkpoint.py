@@ -125,7 +125,8 @@ def _biases(config: dict[str, Any]) -> set[str]:
     return out
 
 
-def random_state_dict(config: dict[str, Any], *, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def random_state_dict(config: dict[str, Any], *, seed: int,
+                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """All tensors of a random checkpoint, in a fixed generation order."""
     model_type = config.get("model_type")
     if model_type not in _SUPPORTED_TYPES:
@@ -172,7 +173,8 @@ def _split_shards(names: list[str], tensors: dict[str, torch.Tensor], num_shards
         remaining_shards = num_shards - len(shards)
         # Open a new shard when this one is full, or when every later name is needed
         # to keep the remaining shards non-empty.
-        if shards[-1] and remaining_shards > 0 and (filled >= target * len(shards) or remaining_names <= remaining_shards):
+        if shards[-1] and remaining_shards > 0 and (filled >= target * len(shards)
+                                                    or remaining_names <= remaining_shards):
             shards.append([])
         shards[-1].append(name)
         filled += size

@@ -98,8 +98,8 @@ def generate_all(model_dir: Path, adapters: dict[str, Path], prompts: Sequence[s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .train import load_text
     from .packaged import TRAINED_ADAPTERS, TRAINED_DIR
+    from .train import load_text
 
     parser = argparse.ArgumentParser(prog="python -m loraplex.gpu_engine.demo.evaluate", description=__doc__)
     parser.add_argument("dir", nargs="?", type=Path, default=TRAINED_DIR,

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from loraplex.contracts.demo import default_demo_dir, random_demo_dir  # torch-free: the CLI lists the demo too
+from loraplex.contracts.demo import random_demo_dir  # torch-free: the CLI lists the demo too
 
 from .adapter import write_random_adapter
 from .checkpoint import llama_config, write_random_checkpoint

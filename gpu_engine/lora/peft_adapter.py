@@ -22,9 +22,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors_bytes
 
+from loraplex.contracts.head_modules import EMBED
 from loraplex.errors import AdapterError, AdapterRankError, ForbiddenAdapterPathError
 from loraplex.gpu_engine.lora.adapter_bin import load_adapter_bin
-from loraplex.contracts.head_modules import EMBED
 from loraplex.gpu_engine.lora.peft_targets import HEAD_LAYER, TargetPlan, check_tensor_table, resolve_targets
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.model.weights import read_top_tensor

@@ -25,7 +25,8 @@ def free_port() -> int:
 
 @dataclass(slots=True)
 class CommLedger:
-    """Elements and bytes of every collective's result, by tag ("base", "lora", "embed", "lm_head", "assist": CPU-assisted rows)."""
+    """Elements and bytes of every collective's result, by tag ("base", "lora", "embed", "lm_head",
+    "assist": CPU-assisted rows)."""
 
     elems: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))

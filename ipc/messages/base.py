@@ -97,7 +97,8 @@ def register(cls: type[M]) -> type[M]:
     if not isinstance(type_name, str) or not _TYPE_NAME.fullmatch(type_name):
         raise TypeError(f"{cls.__name__}.TYPE must be a lowercase identifier, got {type_name!r}")
     if type_name in _BY_TYPE:
-        raise TypeError(f"message type {type_name!r} is declared twice ({_BY_TYPE[type_name].__name__}, {cls.__name__})")
+        raise TypeError(f"message type {type_name!r} is declared twice "
+                        f"({_BY_TYPE[type_name].__name__}, {cls.__name__})")
     hints = typing.get_type_hints(cls, include_extras=True)
     specs = []
     for field in dataclasses.fields(cls):

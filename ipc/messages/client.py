@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.engine_plan import (
     MAX_GUIDED_SPEC,
     MAX_LOGIT_BIAS,
@@ -19,6 +18,7 @@ from loraplex.ipc.engine_plan import (
     MAX_REPETITION_PENALTY,
     MAX_TOP_LOGPROBS,
 )
+from loraplex.ipc.errors import ErrorCode
 from loraplex.ipc.guided import GrammarTooComplex, check_guided
 from loraplex.ipc.messages.base import Message, register
 from loraplex.ipc.messages.checks import (
