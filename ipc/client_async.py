@@ -73,6 +73,7 @@ class _AsyncTransport:
         self._sock: AsyncTypedSocket | None = None
         self._monitor: Any = None
         self._wake = asyncio.Event()
+        self._link_changed = asyncio.Event()  # set by each monitor event (handshake waits)
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -113,12 +114,30 @@ class _AsyncTransport:
             raise
         return replies
 
+    async def _await_handshake(self) -> None:
+        """tcp: until the first handshake, watch the monitor instead of blocking in send, so a
+        refused handshake (CURVE) fails the request at once rather than after SNDTIMEO."""
+        link = self._core.link
+        deadline = time.monotonic() + self._limits.send_timeout_ms / 1e3
+        while not link.handshaken and link.refused is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._link_changed.clear()
+            try:
+                await asyncio.wait_for(self._link_changed.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
     async def send(self, msg: Message) -> None:
         link = self._core.link
+        sock = self._open()
+        if self.endpoint.startswith("tcp://") and not link.handshaken:
+            await self._await_handshake()
         if link.refused is not None:  # no connection to send on: it would only wait for SNDTIMEO
             raise LoraplexError(ErrorCode.UNAVAILABLE, link.refused, getattr(msg, "request_id", None))
         try:
-            await self._open().send(msg)
+            await sock.send(msg)
         except (PeerUnavailable, ProtocolError) as exc:
             if link.refused is not None:  # the handshake failed while the send waited: say why
                 raise LoraplexError(ErrorCode.UNAVAILABLE, link.refused, getattr(msg, "request_id", None)) from None
@@ -189,7 +208,9 @@ class _AsyncTransport:
     async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
         while True:
             message = parse_monitor_message(await monitor.recv_multipart())
-            await self.send_quietly(*self._core.connection_event(message["event"], message["value"]))
+            messages = self._core.connection_event(message["event"], message["value"])
+            self._link_changed.set()
+            await self.send_quietly(*messages)
 
     async def _watch_liveness(self) -> None:
         while True:

@@ -208,6 +208,27 @@ def test_async_clients_allowed_and_unknown(ping_server: PingServer, keys: dict[s
     asyncio.run(asyncio.wait_for(scenario(), 20))
 
 
+def test_async_refusal_never_waits_for_the_send_timeout(ping_server: PingServer, keys: dict[str, Path]) -> None:
+    """With a send timeout far beyond the bound, an unknown key is still refused at once: the async
+    client watches the handshake instead of blocking in send until SNDTIMEO (which a loaded host
+    showed as a refusal after exactly 5.0 s)."""
+    import dataclasses
+
+    from loraplex.ipc.client_core import CLIENT_SOCKET_LIMITS
+
+    limits = dataclasses.replace(CLIENT_SOCKET_LIMITS, send_timeout_ms=60_000)
+
+    async def scenario() -> None:
+        for _ in range(3):  # a fresh socket each time: the send races the first handshake
+            async with AsyncClient(ping_server.endpoint, curve=client_keys(keys, "mallory"), limits=limits) as mallory:
+                started = time.monotonic()
+                with pytest.raises(LoraplexError, match="refused this client's CURVE key"):
+                    await mallory.ping(timeout=90)
+                assert time.monotonic() - started < REFUSED_WITHIN_S
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
 # -- a real daemon ----------------------------------------------------------------------------------
 
 def _free_port() -> int:
