@@ -172,10 +172,8 @@ class CpuWorker:
                 continue  # these rows are back on the GPU path from here on
             entry = piece.entry
             rows = slice(piece.token_start, piece.token_end)
-            for module in entry.modules:
-                stage = MODULE_STAGE.get(module.name)
-                if stage is None:
-                    continue  # embed_tokens / lm_head: the engine applies their LoRA itself
+            for module in entry.staged_modules:
+                stage = MODULE_STAGE[module.name]
                 a = store.block(job.arena_base + entry.a_offset(layer, module.name), entry.rank,
                                 module.in_features, entry.dtype)
                 bt = store.block(job.arena_base + entry.b_offset(layer, module.name), entry.rank,

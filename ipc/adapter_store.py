@@ -12,7 +12,7 @@ import bisect
 import dataclasses
 from dataclasses import dataclass
 
-from loraplex.ipc.exchange import ADAPTER_MODULES, ExchangeModule
+from loraplex.ipc.exchange import ADAPTER_MODULES, MODULE_STAGE, ExchangeModule
 from loraplex.ipc.shm import DTYPE_SIZES, HEADER_BYTES, Region
 
 # Canonical module order inside a layer (the order of the GPU pool and the PEFT targets).
@@ -99,6 +99,12 @@ class StoreEntry:
     @property
     def module_names(self) -> list[str]:
         return [m.name for m in self.modules]
+
+    @property
+    def staged_modules(self) -> list[StoreModule]:
+        """The modules a CPU worker computes (those with an exchange stage): not embed_tokens or
+        lm_head, whose LoRA the engine applies itself."""
+        return [m for m in self.modules if m.name in MODULE_STAGE]
 
     def module(self, name: str) -> StoreModule:
         for m in self.modules:

@@ -209,6 +209,16 @@ def test_what_stays_refused(tmp_path):
     save_file(renamed, str(path / "adapter_model.safetensors"))
     with pytest.raises(AdapterError, match="lora_embedding_A/B on an embedding"):
         load_peft_adapter("embed", path, cfg, max_lora_rank=64, dtype=torch.float32)
+    # peft's copy of the base embedding, served when equal to the base's, refused once trained
+    path = _adapter(model_dir, tmp_path / "trained-copy", r=4, target_modules=["embed_tokens"])
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    copy_key = next(k for k in tensors if k.endswith("embed_tokens.base_layer.weight"))
+    load_peft_adapter("copy", path, cfg, max_lora_rank=64, dtype=torch.float32)
+    tensors[copy_key] = tensors[copy_key].clone()
+    tensors[copy_key][7, 3] += 0.5
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="saved embed_tokens weights differ from the base model's"):
+        load_peft_adapter("copy", path, cfg, max_lora_rank=64, dtype=torch.float32)
     plan = TensorParallelPlan.for_model(cfg, 2)
     with pytest.raises(ValueError, match="LoRA on lm_head is not split over tensor-parallel ranks"):
         plan.adapter_layout(plan.geometry(8), ["q_proj", "lm_head"], 4)

@@ -99,8 +99,7 @@ def _merge_heads(state: MergeState, adapter: HostAdapter, heads: list[str],
     vocab, hidden = weights.embed.shape
     for module in heads:
         w = _head_weight(weights, module)
-        a = torch.cat([layer[module] for layer in adapter.a], dim=1)  # [r, L * in_part]
-        b = torch.cat([layer[module] for layer in adapter.b], dim=0)  # [L * out_part, r]
+        a, b = adapter.whole_head(module)  # [r, L * in_part], [L * out_part, r]
         if module == EMBED:
             a, b = b[:hidden].t(), a[:, :vocab].t()  # as lm_head's: vocabulary rows of B, [r, hidden] A
         else:

@@ -11,6 +11,8 @@ is refused with an error that names it and says what to do.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import os
 from collections.abc import Callable
@@ -90,6 +92,11 @@ class HostAdapter:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.a + self.b for t in layer.values())
+
+    def whole_head(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """embed_tokens / lm_head joined back from every layer's part: A [r, in], B [out, r], as peft
+        holds them, zero-padded past the module's own widths."""
+        return torch.cat([layer[module] for layer in self.a], dim=1), torch.cat([layer[module] for layer in self.b])
 
 
 def _file_error(exc: AdapterFileError) -> AdapterError:
@@ -229,6 +236,19 @@ def load_peft_adapter(name: str, path: str | Path, model: ModelConfig, *, max_lo
     return _place(name, path, model, spec, plan, dtype, tensors)
 
 
+@functools.lru_cache(maxsize=8)
+def _base_digest(model: ModelConfig, module: str, dtype: torch.dtype) -> tuple[torch.dtype, str]:
+    """The base checkpoint's embedding / LM head in the coarser of `dtype` and its own: (that dtype,
+    the digest of its bytes). Read from disk once per process and dtype, not once per adapter."""
+    base = read_top_tensor(model.model_dir, model, "embed" if module == EMBED else "lm_head")
+    coarse = min((dtype, base.dtype), key=lambda d: torch.finfo(d).bits)
+    return coarse, _digest(base.to(coarse))
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.blake2b(t.contiguous().view(torch.uint8).numpy(), digest_size=16).hexdigest()
+
+
 def _check_base_copies(name: str, model: ModelConfig, copies: dict[str, torch.Tensor]) -> None:
     """peft saves a targeted embedding's / LM head's own weight beside its LoRA (save_embedding_layers):
     served when it is the base model's (compared in the coarser of the two dtypes), refused when the
@@ -237,8 +257,7 @@ def _check_base_copies(name: str, model: ModelConfig, copies: dict[str, torch.Te
         if model.model_dir is None:
             raise AdapterError(f"adapter {name}: it holds its own {module} weights, which can be checked against "
                                "the base model's only when the model is read from a directory")
-        base = read_top_tensor(model.model_dir, model, "embed" if module == EMBED else "lm_head")
-        coarse = min((saved.dtype, base.dtype), key=lambda d: torch.finfo(d).bits)
-        if not torch.equal(saved.to(coarse), base.to(coarse)):
+        coarse, digest = _base_digest(model, module, saved.dtype)
+        if _digest(saved.to(coarse)) != digest:
             raise AdapterError(f"adapter {name}: its saved {module} weights differ from the base model's (the "
                                f"adapter trained them, as with modules_to_save); {_MERGE}")

@@ -60,8 +60,12 @@ def copy_adapter_layers(pool: UnifiedPool, adapter: HostAdapter, resident: Resid
                         heads: bool = True) -> int:
     """Copy A rows and B^T rows of `layers` into the adapter's pages; returns bytes copied.
     heads: also these layers' parts of embed_tokens / lm_head (copy_head_parts copies them alone)."""
+    return _copy_rows(pool, adapter, {**resident.index, **resident.heads} if heads else resident.index, layers)
+
+
+def _copy_rows(pool: UnifiedPool, adapter: HostAdapter, modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
+               layers: range) -> int:
     device, dtype = pool.data.device, pool.data.dtype
-    modules = {**resident.index, **resident.heads} if heads else resident.index
     copied = 0
     for layer in layers:
         flat = pool.layer_flat(layer)
@@ -77,11 +81,7 @@ def copy_adapter_layers(pool: UnifiedPool, adapter: HostAdapter, resident: Resid
 def copy_head_parts(pool: UnifiedPool, adapter: HostAdapter, resident: ResidentLora) -> int:
     """Copy every layer's part of embed_tokens / lm_head (a load's first group carries them: the
     embedding runs before the first layer); returns bytes copied."""
-    if not resident.heads:
-        return 0
-    heads_only = ResidentLora(resident.name, resident.rank, resident.scaling, index={}, row_offsets={},
-                              heads=resident.heads)
-    return copy_adapter_layers(pool, adapter, heads_only, range(pool.data.shape[0]))
+    return _copy_rows(pool, adapter, resident.heads, range(pool.data.shape[0]))
 
 
 def place_adapter(pool: UnifiedPool, adapter: HostAdapter, layout: AdapterLayout, pages: list[int]) -> ResidentLora:

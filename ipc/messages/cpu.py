@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal, get_args
 
 from loraplex.ipc.adapter_store import STORE_ARENA_BASE, StoreEntry
-from loraplex.ipc.exchange import MODULE_STAGE, ExchangeLayout
+from loraplex.ipc.exchange import ExchangeLayout
 from loraplex.ipc.messages.base import Message, register
 from loraplex.ipc.messages.checks import UINT63_MAX, Checked, InRange, Length, invalid
 from loraplex.ipc.shm import check_segment_name
@@ -115,9 +115,7 @@ class CpuLoraJob(Message):
             if entry.num_layers != num_layers:
                 raise invalid(f"slices[{i}]: adapter {entry.name!r} has {entry.num_layers} layers, "
                               f"the model {num_layers}")
-            for module in entry.modules:
-                if module.name not in MODULE_STAGE:
-                    continue  # embed_tokens / lm_head: applied by the engine, never by a worker
+            for module in entry.staged_modules:
                 if module.name not in self.exchange.module_names:
                     raise invalid(f"slices[{i}]: {entry.name!r} targets {module.name}, which this model's "
                                   f"exchange has no slot for (it has {', '.join(self.exchange.module_names)})")
