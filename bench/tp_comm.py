@@ -4,9 +4,10 @@ LoRA output all-gathered whole).
 
 Computed: from the partition code (loraplex.contracts.tensor_parallel) for
 Llama-2-7B dimensions, every --tp size, LoRA ranks --ranks and target sets.
-Measured: N gloo rank processes on CPU run one prefill step of the random demo
-model with one adapter on every row (all seven targets, each rank of --ranks),
-the collectives counting what they carry; the per-token figures are checked
+Measured: a tensor-parallel engine of N gloo ranks on CPU, started as `loraplex
+serve` starts one (this process is rank 0), runs one prefill step of the random
+demo model with one adapter on every row (all seven targets, each rank of
+--ranks), the collectives counting what they carry; the per-token figures are checked
 against the same formula at the demo's dimensions.
 
     .venv/bin/python bench/tp_comm.py --json
@@ -63,56 +64,68 @@ def computed(tps: list[int], ranks: list[int], bytes_per_elem: int) -> list[dict
     return rows
 
 
-def _rank_main(rank: int, world_size: int, port: int, ranks: list[int], adapter_root: str, out: str) -> None:
-    """One measuring rank: shard the demo, place one all-target adapter per LoRA rank, run one prefill step
-    per adapter with the ledger cleared, rank 0 writes the ledgers as JSON."""
+def _ledgers(tp_size: int, ranks: list[int], adapter_root: str) -> dict:
+    """Start a tensor-parallel engine of `tp_size` ranks as `loraplex serve` does (this process is rank 0,
+    gpu_engine/tp/group.py starts the others), load one all-target adapter per LoRA rank, and run one
+    prefill step of three rows per adapter with the ledger cleared: what rank 0's collectives carried."""
     import torch
 
+    from loraplex.contracts.engine_spec import EngineSpec
     from loraplex.gpu_engine.demo import ensure_demo_model
-    from loraplex.gpu_engine.lora.peft_adapter import load_peft_adapter
-    from loraplex.gpu_engine.model.config import ModelConfig
-    from loraplex.gpu_engine.model.weights import load_weights
-    from loraplex.gpu_engine.tp.comm import TpComm
-    from loraplex.gpu_engine.tp.rank import TpRank
-    from loraplex.gpu_engine.tp.whole_rows import whole_rows_batch
+    from loraplex.gpu_engine.engine_orders import EngineOrders
+    from loraplex.gpu_engine.runtime import build_runtime, resolve_spec
+    from loraplex.gpu_engine.tp.group import RankGroup
+    from loraplex.ipc.engine_plan import AdapterPlacement, RowPlan, SamplingSpec, StepPlan
+    from loraplex.ipc.protocol import EngineAdapterLoaded, EngineFailure, EngineLoadAdapter, EngineStep, EngineStepDone
 
-    torch.set_num_threads(1)
-    comm = TpComm.init(rank, world_size, port)
+    spec = resolve_spec(EngineSpec(model=str(ensure_demo_model().model_dir), device="cpu", dtype="float32",
+                                   page_tokens=8, num_pages=2048, max_lora_rank=max(ranks),
+                                   tensor_parallel_size=tp_size, adapter_dirs=(adapter_root,)))
+    group = RankGroup.start(spec, demo=False)
+    orders = None
     try:
-        demo = ensure_demo_model()
-        cfg = ModelConfig.from_dir(demo.model_dir)
-        weights = load_weights(demo.model_dir, cfg, device=torch.device("cpu"), dtype=torch.float32)
-        tp = TpRank(cfg, weights, comm, 2048, page_tokens=8)
+        runtime = build_runtime(spec, link=group.link)
+        group.serving()
+        orders = EngineOrders(runtime)
+
+        def run(order):
+            group.share(order)
+            reply = orders.run(order)
+            return orders.settle(order, reply, group.control.failures(isinstance(reply, EngineFailure)), 0, tp_size)
+
+        ledger = group.link.comm.ledger
         gen = torch.Generator().manual_seed(0)
         lengths = [37, 64, 23]
-        runs = []
-        for r in ranks:
-            adapter = load_peft_adapter(f"all-r{r}", Path(adapter_root) / f"all-r{r}", cfg, max_lora_rank=max(ranks),
-                                        dtype=torch.float32)
-            pages = tp.layout(adapter).num_pages
-            lora = tp.place(adapter, list(range(pages)))
-            rows, next_page = [], pages
-            for n in lengths:
-                kv = tp.geometry.kv_pages_for(n)
-                rows.append((torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist(), 0,
-                             list(range(next_page, next_page + kv)), lora))
+        vocab = runtime.config.vocab_size
+        greedy = SamplingSpec(temperature=0.0, ignore_eos=True)
+        runs, next_page = [], 0
+        for step, r in enumerate(ranks):
+            name = f"all-r{r}"
+            loaded = run(EngineLoadAdapter(name=name, path=str(Path(adapter_root) / name)))
+            assert isinstance(loaded, EngineAdapterLoaded), loaded
+            placement = AdapterPlacement(name, list(range(next_page, next_page + loaded.num_pages)))
+            next_page += loaded.num_pages
+            rows = []
+            for i, n in enumerate(lengths):
+                kv = -(-n // 8)
+                rows.append(RowPlan(f"r{r}-{i}", torch.randint(3, vocab, (n,), generator=gen).tolist(), 0,
+                                    list(range(next_page, next_page + kv)), name, True, greedy))
                 next_page += kv
-            comm.ledger.clear()
-            tp.forward(whole_rows_batch(rows, tp.geometry))
+            ledger.clear()
+            done = run(EngineStep(plan=StepPlan(step, rows, [placement])))
+            assert isinstance(done, EngineStepDone), done
             runs.append({"rank": r, "tokens": sum(lengths), "samples": len(lengths),
-                         "bytes": dict(comm.ledger.bytes), "calls": dict(comm.ledger.calls)})
-        if rank == 0:
-            Path(out).write_text(json.dumps({"layers": cfg.num_layers, "runs": runs}))
+                         "bytes": dict(ledger.bytes), "calls": dict(ledger.calls)})
+        return {"layers": runtime.config.num_layers, "runs": runs}
     finally:
-        comm.close()
+        if orders is not None:
+            orders.close()
+        group.close()
 
 
 def measured(tp_size: int, ranks: list[int]) -> dict:
-    import torch.multiprocessing as mp
-
     from loraplex.gpu_engine.demo import demo_model_config, ensure_demo_model, write_random_adapter
     from loraplex.gpu_engine.model.config import ModelConfig
-    from loraplex.gpu_engine.tp.comm import free_port
 
     cfg = ModelConfig.from_dir(ensure_demo_model().model_dir)
     plan = TensorParallelPlan.for_model(cfg, tp_size)
@@ -120,10 +133,8 @@ def measured(tp_size: int, ranks: list[int]) -> dict:
         for r in ranks:
             write_random_adapter(Path(tmp) / f"all-r{r}", demo_model_config(), rank=r, alpha=2.0 * r,
                                  target_modules=list(TARGETS["all"]), seed=r)
-        out = Path(tmp) / "ledger.json"
-        print(f"measuring: {tp_size} gloo ranks, demo model, LoRA ranks {ranks}", file=sys.stderr)
-        mp.spawn(_rank_main, args=(tp_size, free_port(), ranks, tmp, str(out)), nprocs=tp_size, join=True)
-        ledger = json.loads(out.read_text())
+        print(f"measuring: a {tp_size}-rank engine (gloo), demo model, LoRA ranks {ranks}", file=sys.stderr)
+        ledger = _ledgers(tp_size, ranks, tmp)
     rows = []
     layers = ledger["layers"]
     for run in ledger["runs"]:

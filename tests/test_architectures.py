@@ -316,18 +316,18 @@ def test_tp2_equals_single_device(tmp_path, build):
     biases stay whole on every rank, Phi's LM head bias splits with the vocabulary, the final
     soft-cap applies to the gathered logits; Phi-3's fused qkv_proj / gate_up_proj split part by part
     (each rank its q, k, v heads and its gate and up columns, and the same rows of LoRA B)."""
-    from tests.tp_support import Case, single_device_run, spawn_ranks
+    from tests.tp_engine_support import EngineCase, single_device, spawn_engine
 
     model_dir, adapters = build(tmp_path)
     prompts = _prompts(5, [9, 30, 17, 22], 512)
-    case = Case(model_dir=str(model_dir), adapters={n: str(p) for n, p in adapters.items()}, prompts=prompts,
-                names=["all5", None, "mlp7", next(iter(adapters))], new_tokens=3, page_tokens=8)
+    case = EngineCase(model_dir=str(model_dir), adapters={n: str(p) for n, p in adapters.items()}, prompts=prompts,
+                      names=["all5", None, "mlp7", next(iter(adapters))], new_tokens=3, page_tokens=8)
     out = tmp_path / "out"
     out.mkdir()
-    result = spawn_ranks(2, case, out)
-    logits, tokens = single_device_run(case)
-    assert torch.equal(result["tokens"], tokens)
-    assert (result["logits"] - logits).abs().max().item() < 1e-4
+    [(tokens, logprobs)] = spawn_engine(2, [case], out)
+    ref_tokens, ref_logprobs = single_device(case)
+    assert torch.equal(tokens, ref_tokens)
+    assert (logprobs - ref_logprobs).abs().max().item() < 1e-4
 
 
 @pytest.mark.slow

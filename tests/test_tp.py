@@ -1,9 +1,9 @@
-"""Tensor parallelism on CPU: N gloo rank processes give the logits of the
-single-device engine (fp32 tolerance) and the greedy tokens of transformers +
-PEFT, for mixed batches of base rows and adapters with odd ranks, rsLoRA, MLP
-targets and GQA; every rank holds 1/N of each adapter in a layout that is the
-same on every rank; models that cannot be split N ways are refused; a rank reads
-only its slice of each checkpoint tensor, with the whole read's checks."""
+"""Tensor parallelism on CPU: N gloo rank processes running the engine's own orders
+(tests/tp_engine_support.py) give the greedy tokens and logprobs of the one-device engine (fp32
+tolerance) and the greedy tokens of transformers + PEFT, for mixed batches of base rows and adapters
+with odd ranks, rsLoRA, MLP targets and GQA; every rank holds 1/N of each adapter in a layout that
+is the same on every rank; models that cannot be split N ways are refused; a rank reads only its
+slice of each checkpoint tensor, with the whole read's checks."""
 from __future__ import annotations
 
 import pytest
@@ -16,9 +16,9 @@ from loraplex.gpu_engine.lora.torch_backend import place_adapter
 from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.gpu_engine.pool import UnifiedPool
 from loraplex.gpu_engine.tp.partition import shard_adapter
-from tests.tp_support import Case, single_device_run, spawn_ranks
+from tests.tp_engine_support import EngineCase, collectives, single_device, spawn_engine
 
-LOGIT_TOL = 1e-4
+LOGPROB_TOL = 1e-4
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Odd ranks (padded to a multiple of N on the column-parallel side), rsLoRA, MLP-only targets.
 ODD = {"odd-r5": (5, ALL, False), "odd-r7-rs": (7, ["q_proj", "v_proj", "o_proj", "down_proj"], True),
@@ -36,19 +36,24 @@ def adapters(demo, tmp_path_factory):
     return out
 
 
-def _case(demo, adapters, names, new_tokens, seed=0) -> Case:
+def _case(demo, adapters, names, new_tokens, seed=0) -> EngineCase:
     g = torch.Generator().manual_seed(seed)
     lengths = [int(n) for n in torch.randint(5, 40, (len(names),), generator=g)]
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
-    return Case(model_dir=str(demo.model_dir), adapters=adapters, prompts=prompts, names=names,
-                new_tokens=new_tokens, page_tokens=8)
+    return EngineCase(model_dir=str(demo.model_dir), adapters={n: adapters[n] for n in names if n},
+                      prompts=prompts, names=names, new_tokens=new_tokens, page_tokens=8)
+
+
+def _spawn(world_size: int, case: EngineCase, out_dir):
+    [result] = spawn_engine(world_size, [case], out_dir)
+    return result
 
 
 def _compare(result, reference):
-    ref_logits, ref_tokens = reference
-    assert torch.equal(result["tokens"], ref_tokens)
-    worst = (result["logits"] - ref_logits).abs().max().item()
-    assert worst < LOGIT_TOL, f"logits differ by {worst}"
+    (tokens, logprobs), (ref_tokens, ref_logprobs) = result, reference
+    assert torch.equal(tokens, ref_tokens)
+    worst = (logprobs - ref_logprobs).abs().max().item()
+    assert worst < LOGPROB_TOL, f"logprobs differ by {worst}"
 
 
 MIXED = [None, "odd-r5", "qv-r8", "odd-r5", "all-r32", None, "mlp-r64", "odd-r7-rs", "rslora-r16", "odd-r3-mlp",
@@ -59,34 +64,35 @@ def test_tp2_equals_single_device_and_peft(demo, adapters, tmp_path):
     from tests.hf_reference import greedy
 
     case = _case(demo, adapters, MIXED, new_tokens=4)
-    result = spawn_ranks(2, case, tmp_path)
-    _compare(result, single_device_run(case))
+    result = _spawn(2, case, tmp_path)
+    _compare(result, single_device(case))
     for row in (0, 1, 7, 9):  # base, odd rank with every target, odd rank with rsLoRA, MLP only
         name = case.names[row]
         ref_tokens, _ = greedy(demo.model_dir, None if name is None else adapters[name], case.prompts[row],
                                case.new_tokens)
-        assert result["tokens"][row].tolist() == ref_tokens, f"row {row} ({name})"
+        assert result[0][row].tolist() == ref_tokens, f"row {row} ({name})"
 
 
 def test_tp4_equals_single_device(demo, adapters, tmp_path):
     # the demo's 4 KV heads: one per rank
     case = _case(demo, adapters, MIXED[:8], new_tokens=2, seed=1)
-    _compare(spawn_ranks(4, case, tmp_path), single_device_run(case))
+    _compare(_spawn(4, case, tmp_path), single_device(case))
 
 
 def test_collective_bytes_match_the_plan(demo, adapters, tmp_path):
     """One adapter with every target: what the collectives carried equals the plan's per-token figures."""
     case = _case(demo, adapters, ["odd-r5", "odd-r5"], new_tokens=2, seed=2)
-    result = spawn_ranks(2, case, tmp_path)
+    _spawn(2, case, tmp_path)
+    carried = collectives(tmp_path, 0)
     cfg = ModelConfig.from_dir(demo.model_dir)
     plan = TensorParallelPlan.for_model(cfg, 2)
     tokens = sum(len(p) for p in case.prompts) + len(case.prompts)  # prefill, then one decode token per row
     samples = 2 * len(case.prompts)
     per_layer_lora = sum(plan.lora_comm(m, 5) for m in ALL)
-    assert result["bytes.lora"].item() == 4 * tokens * cfg.num_layers * per_layer_lora
-    assert result["bytes.base"].item() == 4 * tokens * cfg.num_layers * plan.base_comm_per_layer()
-    assert result["bytes.embed"].item() == 4 * tokens * plan.base_comm_per_model()["embed"]
-    assert result["bytes.lm_head"].item() == 4 * samples * plan.base_comm_per_model()["lm_head"]
+    assert carried["lora"] == 4 * tokens * cfg.num_layers * per_layer_lora
+    assert carried["base"] == 4 * tokens * cfg.num_layers * plan.base_comm_per_layer()
+    assert carried["embed"] == 4 * tokens * plan.base_comm_per_model()["embed"]
+    assert carried["lm_head"] == 4 * samples * plan.base_comm_per_model()["lm_head"]
 
 
 def _demo_plan(n: int) -> TensorParallelPlan:
@@ -168,11 +174,11 @@ def test_tp2_biases_tied_embeddings_and_a_vocabulary_that_does_not_split(tmp_pat
     write_random_adapter(tmp_path / "a", config, rank=3, alpha=6.0, target_modules=ALL, seed=12)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 509, (n,), generator=g).tolist() for n in (9, 30, 17)]
-    case = Case(model_dir=str(tmp_path / "model"), adapters={"a": str(tmp_path / "a")}, prompts=prompts,
-                names=["a", None, "a"], new_tokens=3, page_tokens=8)
+    case = EngineCase(model_dir=str(tmp_path / "model"), adapters={"a": str(tmp_path / "a")}, prompts=prompts,
+                      names=["a", None, "a"], new_tokens=3, page_tokens=8)
     out = tmp_path / "out"
     out.mkdir()
-    _compare(spawn_ranks(2, case, out), single_device_run(case))
+    _compare(_spawn(2, case, out), single_device(case))
 
 
 class _SpyFile:
@@ -285,3 +291,39 @@ def test_the_sliced_read_checks_the_checkpoint_as_the_whole_read_does(tmp_path, 
         else:
             with pytest.raises(UnsupportedModelError, match=error):
                 load_weights(tmp_path, cfg, device=cpu, dtype=torch.float32, select=select)
+
+
+def _differ(got, want) -> list[str]:
+    """Names of the tensors where two ModelWeights differ (shape or value)."""
+    def same(a, b) -> bool:
+        return (a is None and b is None) or (a is not None and b is not None and a.shape == b.shape
+                                             and torch.equal(a, b))
+
+    diff = [top for top in ("embed", "lm_head", "norm", "norm_bias", "lm_head_bias")
+            if not same(getattr(got, top), getattr(want, top))]
+    for i, (lg, lw) in enumerate(zip(got.layers, want.layers, strict=True)):
+        for kind in ("proj", "bias", "norms", "norm_bias"):
+            a, b = getattr(lg, kind), getattr(lw, kind)
+            diff += [f"layer {i} {kind} {m}" for m in a.keys() | b.keys() if not same(a.get(m), b.get(m))]
+        diff += [f"layer {i} {n}" for n in ("input_norm", "post_norm") if not same(getattr(lg, n), getattr(lw, n))]
+    return diff
+
+
+@pytest.mark.parametrize("family", ["phi", "phi3", "qwen3", "gemma", "gemma2", "gemma3_text"])
+def test_every_family_reads_its_checkpoint_sliced_as_slicing_the_whole(tmp_path, family):
+    """The sliced read names each checkpoint tensor by the engine's module (Phi's `dense`, `fc1`, `fc2`,
+    `final_layernorm` are o_proj, up_proj, down_proj, the final norm), so each rank reads the slice that
+    slicing the whole model gives (a served Phi engine of 2 ranks once failed its first step on an
+    o_proj read whole)."""
+    from loraplex.gpu_engine.demo import write_random_checkpoint
+    from loraplex.gpu_engine.model.weights import load_weights
+    from loraplex.gpu_engine.tp.partition import rank_selector, shard_weights
+
+    write_random_checkpoint(tmp_path, demo_model_config(family), seed=5)
+    cfg = ModelConfig.from_dir(tmp_path)
+    cpu, plan = torch.device("cpu"), TensorParallelPlan.for_model(cfg, 2)
+    whole = load_weights(tmp_path, cfg, device=cpu, dtype=torch.float32)
+    for rank in range(2):
+        got = load_weights(tmp_path, cfg, device=cpu, dtype=torch.float32, select=rank_selector(plan, rank))
+        differ = _differ(got, shard_weights(whole, plan, rank))
+        assert not differ, f"rank {rank}: {differ[:6]}"

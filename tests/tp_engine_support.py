@@ -2,13 +2,15 @@
 building its runtime from an EngineSpec as the engine does (build_runtime over a
 joined RankLink), driven with protocol orders the way the engine process drives them:
 rank 0 shares each order (the other ranks run gpu_engine/tp/worker.serve), runs it and
-settles the group's verdict. Rank 0 writes its greedy tokens and logprobs to a
-safetensors file, never pickled; the spawn arguments are plain strings and ints."""
+settles the group's verdict. Rank 0 writes its greedy tokens and logprobs, and what its
+collectives carried, to a safetensors file, never pickled; the spawn arguments are plain
+strings and ints. This is the one tensor-parallel path: the engine's own (no test-only
+executor or batch builder)."""
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -18,15 +20,21 @@ from safetensors.torch import save_file
 from loraplex.contracts.engine_spec import EngineSpec
 from loraplex.ipc.engine_plan import AdapterPlacement, RowPlan, SamplingSpec, StepPlan
 from loraplex.ipc.protocol import EngineAdapterLoaded, EngineFailure, EngineLoadAdapter, EngineStep, EngineStepDone
-from tests.tp_support import Case
 
 GREEDY = SamplingSpec(temperature=0.0, logprobs=True, ignore_eos=True)
 
 
 @dataclass(frozen=True)
-class EngineCase(Case):
-    """tests/tp_support.py's case, run through the engine's orders (extra: see drive)."""
+class EngineCase:
+    """What every rank (and the one-device reference) runs: JSON, so it crosses as a string."""
 
+    model_dir: str
+    adapters: dict[str, str]  # name -> PEFT directory
+    prompts: list[list[int]]
+    names: list[str | None]  # adapter per row, None = base model
+    new_tokens: int
+    page_tokens: int = 8
+    extra: dict = field(default_factory=dict)  # see drive
     merged: str | None = None  # dLoRA merged mode: every row is of this adapter, folded into the weights
     load_groups: int = 2  # layer groups each placement loads in (a background copy on CPU)
     num_pages: int = 400
@@ -138,7 +146,10 @@ def rank_main(rank: int, world_size: int, store_file: str, cases_json: str, out_
 
         results = {}
         for i, one in enumerate(cases):
+            link.comm.ledger.clear()
             results[f"tokens.{i}"], results[f"logprobs.{i}"] = drive(one, run, assist)
+            for what, counts in (("bytes", link.comm.ledger.bytes), ("calls", link.comm.ledger.calls)):
+                results |= {f"{what}.{i}.{tag}": torch.tensor(n) for tag, n in counts.items()}
             if "scored" in one.extra:
                 results[f"scored.{i}"] = torch.tensor(one.extra["scored"], dtype=torch.float64)
         control.share(EngineShutdown())
@@ -162,3 +173,13 @@ def spawn_engine(world_size: int, cases: list[EngineCase], out_dir: Path) -> lis
     mp.spawn(rank_main, args=(world_size, store_file, cases_json, str(out_dir)), nprocs=world_size, join=True)
     result = load_file(str(out_dir / "result.safetensors"))
     return [(result[f"tokens.{i}"], result[f"logprobs.{i}"]) for i in range(len(cases))]
+
+
+def collectives(out_dir: Path, case: int, what: str = "bytes") -> dict[str, int]:
+    """What rank 0's collectives carried ("bytes") or how many it made ("calls") in case `case` of the
+    last spawn_engine into out_dir, by tag (base, lora, embed, lm_head, ...)."""
+    from safetensors.torch import load_file
+
+    prefix = f"{what}.{case}."
+    return {k.removeprefix(prefix): int(v) for k, v in load_file(str(out_dir / "result.safetensors")).items()
+            if k.startswith(prefix)}

@@ -26,8 +26,10 @@ from loraplex.gpu_engine.model.families import GEMMA3_KEY_RENAMES
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-# (checkpoint key, safetensors slice of the whole tensor) -> the part of it to keep
-Selector = Callable[[str, Any], torch.Tensor]
+# (the engine's name of the tensor's module: a projection name as in ModelConfig.module_shapes,
+#  "embed_tokens", "lm_head", "norm", else the key's last module; "weight" or "bias"; the safetensors
+#  slice of the whole tensor) -> the part of it to keep
+Selector = Callable[[str, str, Any], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -161,6 +163,17 @@ def _skipped(cfg: ModelConfig, key: str) -> bool:
     return key == cfg.top_paths()["lm_head"] + ".weight" and cfg.tie_word_embeddings
 
 
+def engine_module_names(cfg: ModelConfig) -> dict[str, str]:
+    """The engine's name of each module path of the checkpoint that a Selector must tell apart: the
+    projections (Phi's `self_attn.dense` is o_proj, GPT-2's `mlp.c_fc` up_proj) and the tensors outside
+    the layers. Other modules (norms) go by their own last name."""
+    top = cfg.top_paths()
+    names = {top["embed"]: "embed_tokens", top["lm_head"]: "lm_head", top["norm"]: "norm"}
+    for i in range(cfg.num_layers):
+        names |= {f"{cfg.layer_prefix}.{i}.{path}": name for name, path in cfg.module_paths().items()}
+    return names
+
+
 def load_weights(model_dir: str | Path, cfg: ModelConfig, *, device: torch.device,
                  dtype: torch.dtype, select: Selector | None = None) -> ModelWeights:
     """The checkpoint's weights on `device` in `dtype`: whole, or what `select` keeps of every tensor
@@ -168,6 +181,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, *, device: torch.devic
     model_dir = Path(model_dir)
     want = expected_shapes(cfg)
     got: dict[str, torch.Tensor] = {}
+    names = engine_module_names(cfg) if select is not None else {}
     if select is not None and cfg.conv1d:
         raise UnsupportedModelError(f"{cfg.model_type}: Conv1D weights are not read per rank")
     for file in checkpoint_files(model_dir):
@@ -182,7 +196,11 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, *, device: torch.devic
                 shape = tuple(part.get_shape())
                 if shape != want[key]:
                     raise UnsupportedModelError(f"tensor {key} has shape {shape}, expected {want[key]}")
-                t = f.get_tensor(stored) if select is None else select(key, part)
+                if select is None:
+                    t = f.get_tensor(stored)
+                else:
+                    module, param = key.rsplit(".", 1)
+                    t = select(names.get(module, module.rsplit(".", 1)[-1]), param, part)
                 if cfg.conv1d and t.dim() == 2 and key.startswith(cfg.layer_prefix + "."):
                     t = t.t()  # Conv1D [in, out] -> [out, in]
                 got[key] = t.to(device=device, dtype=dtype).contiguous()

@@ -79,7 +79,7 @@ def _fused(parts: tuple[int, ...], rank: int, n: int) -> FusedSlice:
 def rank_slice(module: str, param: str, shape: tuple[int, ...], plan: TensorParallelPlan,
                rank: int) -> RankSlice | FusedSlice:
     """The one split rule of the base model (Megatron-LM), for the tensor `param` ("weight" or "bias")
-    of `module` (a projection name, "embed_tokens", "lm_head" or a norm: the checkpoint key's module)
+    of `module` (the engine's name: a projection, "embed_tokens", "lm_head", "norm" or another norm)
     of full `shape`: column-parallel projections and their biases along out (dim 0), row-parallel
     along in (dim 1) with their biases whole (added once, after the all-reduce), embedding and LM head
     by vocabulary rows padded to a multiple of N, anything else whole."""
@@ -133,8 +133,7 @@ def shard_weights(weights: ModelWeights, plan: TensorParallelPlan, rank: int) ->
 def rank_selector(plan: TensorParallelPlan, rank: int) -> Selector:
     """load_weights' `select` that reads only this rank's part of every tensor from the safetensors
     files (get_slice: the other ranks' bytes are never copied out of the mapped file)."""
-    def select(key: str, part) -> torch.Tensor:
-        module, param = key.split(".")[-2:]
+    def select(module: str, param: str, part) -> torch.Tensor:
         return rank_slice(module, param, tuple(part.get_shape()), plan, rank).take(part)
 
     return select
