@@ -5,11 +5,13 @@ migrations, the router's rebalancing); around a step it handles the three ways o
 the engine ran out of memory (the batch shrinks), refused the step (after a few in a row it
 counts as lost) or died (it is restarted and its requests recomputed). Torch-free.
 
-With scheduler.overlap (and an engine that keeps a persistent batch) the loop keeps one step
-in flight ahead: it plans and sends step n+1 while the engine runs step n, then collects
-n's result (docs/architecture.md, "The step loop"). What must see the engine idle (a pause,
-a policy switch, migrations, an adapter order on the link, a CPU-assisted step) waits for
-the steps in flight first; a failed step takes back every step in flight.
+There is one loop: it sends steps and collects their replies in order, keeping at most
+`depth` steps out. With scheduler.overlap (and an engine that keeps a persistent batch) the
+depth is 2: it plans and sends step n+1 while the engine runs step n, then collects n's
+result (docs/architecture.md, "The step loop"); without, the depth is 1, nothing is planned
+ahead and the loop is synchronous. What must see the engine idle (a pause, a policy switch,
+migrations, an adapter order on the link, a CPU-assisted step) waits for the steps out first;
+a failed step takes back every step out, whatever the depth.
 """
 from __future__ import annotations
 
@@ -30,11 +32,11 @@ from loraplex.daemon.scheduler.sequence import Sequence
 from loraplex.daemon.stats import ServingStats
 from loraplex.ipc.engine_plan import StepPlan
 from loraplex.ipc.errors import ErrorCode
-from loraplex.ipc.protocol import EngineStepDone, Message
+from loraplex.ipc.protocol import EngineStepDone
 
 log = logging.getLogger("loraplex.daemon")
 MAX_STEP_FAILURES = 3  # refused steps in a row before the engine counts as lost
-AHEAD = 2  # steps sent to the engine at most: the one it runs and the next
+OVERLAP_DEPTH = 2  # steps out at most with overlap: the one the engine runs and the next
 
 
 @dataclass(slots=True)
@@ -56,43 +58,23 @@ class StepLoop:
         self.decisions = decisions
         self.failures = 0  # refused steps in a row
         self.set_aside: list[Sequence] = []  # after an out-of-memory step; requeued after the next good one
-        self.inflight: deque[_Sent] = deque()  # overlap: steps sent whose results are not applied
+        self.inflight: deque[_Sent] = deque()  # steps sent whose results are not applied
         self._returned = 0.0  # when the last result came back: the engine's next step began then
         self._takebacks = 0  # times the steps in flight were taken back (a failure, a lost engine)
 
     @property
-    def overlap(self) -> bool:
-        return self.slot.config.scheduler.overlap and self.slot.plans is not None
+    def depth(self) -> int:
+        """Steps sent and not yet applied, at most: 2 with overlap on an engine that feeds its
+        decode rows the tokens it sampled (a persistent batch), else 1 (synchronous)."""
+        overlap = self.slot.config.scheduler.overlap and self.slot.plans is not None
+        return OVERLAP_DEPTH if overlap else 1
 
     async def run(self) -> None:
+        """Plan and send while fewer than `depth` steps are out, else (or when nothing more can be
+        planned) collect and apply the oldest."""
         slot = self.slot
         slot.link.on_lost = slot.work.set  # an engine that dies or hangs while idle wakes this loop
-        if self.overlap:
-            await self._run_overlapped()
-            return
-        while True:
-            await slot.work.wait()
-            if not await self._may_step():
-                continue
-            began = time.perf_counter()
-            self._between_steps()
-            sched = slot.scheduler
-            plan = await self._schedule(sched)
-            if plan is None:
-                self._rest()
-                continue
-            plan = await self._prepare(sched, plan)
-            sent = time.perf_counter()
-            reply = await self._run(sched, plan)
-            if isinstance(reply, EngineStepDone):
-                await self._apply(sched, plan, reply, began, sent)
-            if reply is not None:
-                self._requeue_set_aside()
-
-    async def _run_overlapped(self) -> None:
-        """The loop with one step in flight ahead: plan and send while fewer than AHEAD steps are
-        out, else (or when nothing more can be planned) collect and apply the oldest."""
-        slot = self.slot
+        depth = self.depth
         while True:
             if not self.inflight:
                 await slot.work.wait()
@@ -105,7 +87,7 @@ class StepLoop:
             if not self.inflight:
                 self._between_steps()
             sched = slot.scheduler
-            plan = await self._schedule(sched) if len(self.inflight) < AHEAD and self._may_plan_ahead() else None
+            plan = await self._schedule(sched) if len(self.inflight) < depth and self._may_plan_ahead() else None
             if plan is None:
                 if self.inflight:
                     await self._collect()
@@ -242,21 +224,6 @@ class StepLoop:
                 self.slot.index, plan.step_id, tuple(client_id(r.request_id) for r in plan.rows if r.start_pos == 0),
                 tuple(client_id(r.request_id) for r in plan.rows), plan.merged_adapter))
         return plan
-
-    async def _run(self, sched: BaseScheduler, plan: StepPlan) -> Message | None:
-        """The engine runs the step; None when it failed (and that was dealt with)."""
-        try:
-            reply = await self.slot.link.call(self.slot.step_order(plan))
-        except EngineRefused as exc:
-            sched.discard_inflight()
-            self.slot.resync()
-            await self._refused(plan, exc)
-            return None
-        except EngineDied as exc:
-            await self.engines.engine_lost(self.slot, str(exc))
-            return None
-        self.failures = 0
-        return reply
 
     async def _refused(self, plan: StepPlan, exc: EngineRefused) -> None:
         if exc.code == ErrorCode.OVERLOADED.value and plan.rows:  # out of memory; the engine is fine
