@@ -285,7 +285,9 @@ def check_families(device: str, small: bool) -> dict[str, Any]:
     from loraplex.gpu_engine.demo import ensure_demo_model
     from tests.hf_reference import greedy
 
-    families = ["gemma2", "phi3"] if small else [f for f in DEMO_FAMILIES if f != "llama"]
+    # small (the CPU dry run, which keeps this harness from rotting): one family with fused projections;
+    # tests/test_architectures.py holds every family to PEFT on CPU
+    families = ["phi3"] if small else [f for f in DEMO_FAMILIES if f != "llama"]
     backend = "triton" if device.startswith("cuda") else "torch"
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     out: dict[str, Any] = {}
