@@ -22,6 +22,7 @@ from loraplex.gpu_engine.demo import (
     write_random_adapter,
     write_random_checkpoint,
 )
+from tests.tolerances import forward_tolerance
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -336,7 +337,7 @@ def test_random_checkpoint_of_every_family_matches_transformers_and_peft(tmp_pat
         for prompt, out in zip(prompts, llm.generate(prompts, adapters=name, sampling=params)):
             tokens, logprobs = greedy(tmp_path / "model", None if name is None else tmp_path / "a", prompt, 8)
             assert out.token_ids == tokens, (family, name)
-            assert max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) < 1e-3
+            assert max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) < forward_tolerance(llm.config)
             seen.update(tokens)
     assert len(seen) > 6, f"{family}: degenerate random model ({len(seen)} distinct tokens)"
 

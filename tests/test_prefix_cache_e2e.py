@@ -8,10 +8,14 @@ import random
 
 import pytest
 
+from loraplex.gpu_engine.demo import demo_model_config
+from loraplex.gpu_engine.model.config import ModelConfig
 from loraplex.ipc.client import AdminClient, AsyncClient
 from tests.daemon_process import DaemonProcess
+from tests.tolerances import forward_tolerance
 
 PAGE_TOKENS = 16
+DEMO_TOL = forward_tolerance(ModelConfig.from_hf(demo_model_config()))  # logprobs of two forwards
 
 
 def _prompt(seed: int, n: int = 150) -> list[int]:
@@ -37,7 +41,7 @@ def test_a_repeated_prompt_reuses_its_prefix_and_gives_the_same_tokens(demo, tmp
         # Every full page but the one holding the last prompt token comes from the cache.
         assert again.usage["cached_tokens"] == (len(prompt) - 1) // PAGE_TOKENS * PAGE_TOKENS
         assert again.token_ids == first.token_ids and again.text == first.text
-        assert again.logprobs == pytest.approx(first.logprobs, abs=1e-4)
+        assert again.logprobs == pytest.approx(first.logprobs, abs=DEMO_TOL)
 
         other = asyncio.run(_generate(daemon, prompt, "all-r32"))  # same tokens, another adapter
         base = asyncio.run(_generate(daemon, prompt, None))
@@ -112,7 +116,7 @@ def test_tokens_and_logprobs_are_the_same_with_the_prefix_cache_on_and_off(demo,
     assert on_stats["preemptions"] + on_stats["adapter_evictions"] > 0, "the pool was not tight"
     for a, b in zip(on, off):
         assert a.token_ids == b.token_ids
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=DEMO_TOL)
 
 
 def test_n_siblings_share_the_prompt_and_penalised_requests_compute_it(demo, tmp_path) -> None:

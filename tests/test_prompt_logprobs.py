@@ -5,7 +5,6 @@ daemon's scheduler over the executor) against transformers + PEFT in float64, in
 of adapters with chunked prefill."""
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from loraplex.ipc.engine_plan import (
 from loraplex.ipc.plan_delta import PlanBook, PlanEncoder
 from loraplex.ipc.protocol import EngineStepDelta, EngineStepDone, GenerateRequest
 from tests.hf_reference import prompt_logprobs as reference
+from tests.tolerances import forward_tolerance
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -197,14 +197,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 
-def _tolerance(config) -> float:
-    """float32 engine vs float64 reference: the rounding of the n terms the forward's chained
-    reductions add (hidden and intermediate per layer, the LM head's hidden once more) grows as a
-    random walk, sqrt(n) ulps; 16 of those (the demo: ~1.2e-4, where ~1e-5 is measured)."""
-    n = config.num_layers * (config.hidden_size + config.intermediate_size) + config.hidden_size
-    return 16 * EPS32 * math.sqrt(n)
-
-
 def _check_prompt(out, model_dir: Path, adapter_dir: Path | None, k: int, tol: float, seed: int) -> float:
     ref = reference(model_dir, adapter_dir, out.prompt_token_ids)  # [P, vocab] float64
     prompt = out.prompt_token_ids
@@ -243,7 +235,7 @@ def test_engine_prompt_logprobs_match_peft_in_mixed_batches(demo, page_tokens, b
     params = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True, prompt_logprobs=k)
               for k in ks]
     outs = llm.generate(prompts, adapters=names, sampling=params)
-    tol = _tolerance(llm.config)
+    tol = forward_tolerance(llm.config)
     adapters = dict(demo.adapters)
     for out, k in zip(outs, ks):
         if k is None:
@@ -274,7 +266,7 @@ def test_a_cached_prefix_never_serves_prompt_logprobs(demo):
     second = llm.generate([prompt], adapters="attn-r16", sampling=asked)[0]
     assert first.prompt_logprobs == second.prompt_logprobs
     assert first.prompt_top_logprobs == second.prompt_top_logprobs
-    _check_prompt(second, demo.model_dir, demo.adapters["attn-r16"], 2, _tolerance(llm.config), seed)
+    _check_prompt(second, demo.model_dir, demo.adapters["attn-r16"], 2, forward_tolerance(llm.config), seed)
 
 
 def test_triton_backend_prompt_logprobs_match_peft(demo):
@@ -291,7 +283,7 @@ def test_triton_backend_prompt_logprobs_match_peft(demo):
     prompts = [torch.randint(3, llm.config.vocab_size, (n,), generator=g).tolist() for n in (19, 11, 6)]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
     outs = llm.generate(prompts, adapters=names, sampling=params)
-    tol = _tolerance(llm.config)
+    tol = forward_tolerance(llm.config)
     for out in outs:
         _check_prompt(out, demo.model_dir, demo.adapters[out.adapter] if out.adapter else None, 2, tol, seed)
 
@@ -318,4 +310,4 @@ def test_tp2_prompt_logprobs_equal_one_device(demo, tmp_path):
     from loraplex.gpu_engine.model.config import ModelConfig
 
     worst = (got - want).abs().max().item()
-    assert worst < _tolerance(ModelConfig.from_dir(demo.model_dir)), f"worst {worst} (seed {seed})"
+    assert worst < forward_tolerance(ModelConfig.from_dir(demo.model_dir)), f"worst {worst} (seed {seed})"

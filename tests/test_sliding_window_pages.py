@@ -20,6 +20,7 @@ from loraplex.daemon.scheduler.sequence import Sequence
 from loraplex.gpu_engine.demo import mistral_config, write_random_adapter, write_random_checkpoint
 from loraplex.gpu_engine.pool import kv_window
 from tests.hf_reference import greedy
+from tests.tolerances import forward_tolerance
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -73,7 +74,7 @@ def test_a_sequence_four_windows_long_holds_one_window_and_matches_peft(model) -
         out = llm.generate([prompt], adapters=[adapter], sampling=params)[0]
         ref_tokens, ref_logprobs = greedy(model_dir, adapter_dir if adapter else None, prompt, new)
         assert out.token_ids == ref_tokens, f"adapter {adapter}: tokens differ from transformers + PEFT"
-        assert max(abs(a - b) for a, b in zip(out.logprobs, ref_logprobs)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref_logprobs)) < forward_tolerance(llm.config)
     # the window's pages and the page being written; without release it would hold 4 windows
     assert peak["seq"] <= WINDOW // PAGE + 1, peak
     assert peak["pool_kv"] <= WINDOW // PAGE + 1, peak
