@@ -38,6 +38,7 @@ class PageAllocator:
         # LIFO free list: recently freed pages are reused first (warm in cache).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._owner: dict[int, str] = {}
+        self._by_tag: Counter[str] = Counter()  # pages owned per tag: usage() is read by every stats snapshot
 
     @property
     def num_free(self) -> int:
@@ -54,6 +55,7 @@ class PageAllocator:
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
             self._owner[p] = tag
+        self._by_tag[tag] += n
         return pages
 
     def free(self, pages: list[int]) -> None:
@@ -63,8 +65,9 @@ class PageAllocator:
             if p not in self._owner:
                 raise ValueError(f"page {p} freed but not allocated")
         for p in pages:
-            del self._owner[p]
+            self._by_tag[self._owner.pop(p)] -= 1
             self._free.append(p)
 
     def usage(self) -> PoolUsage:
-        return PoolUsage(total=self.num_pages, free=len(self._free), by_tag=dict(Counter(self._owner.values())))
+        by_tag = {tag: n for tag, n in self._by_tag.items() if n}
+        return PoolUsage(total=self.num_pages, free=len(self._free), by_tag=by_tag)

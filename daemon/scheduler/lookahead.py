@@ -39,6 +39,21 @@ def awaits_token(seq: Sequence) -> bool:
 class LaunchedSteps:
     def __init__(self) -> None:
         self._queue: deque[_Launched] = deque()
+        # id(sequence) -> its preemption count when launched -> tokens the launched plans fed it; kept with
+        # the queue so that `unsettled` is one lookup, not a walk over every launched row (B² a step).
+        # The queue holds each counted sequence, so its id is not reused while counted.
+        self._fed: dict[int, dict[int, int]] = {}
+
+    def _count(self, rows: list[tuple[Sequence, int, int, int]], sign: int) -> None:
+        for seq, n, _, preemptions in rows:
+            per = self._fed.setdefault(id(seq), {})
+            left = per.get(preemptions, 0) + sign * n
+            if left:
+                per[preemptions] = left
+            else:
+                per.pop(preemptions, None)
+                if not per:
+                    del self._fed[id(seq)]
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -62,24 +77,27 @@ class LaunchedSteps:
                 seq.logprobs.append(None)
             rows.append((seq, n, index, seq.num_preemptions))
         self._queue.append(_Launched(plan, rows))
+        self._count(rows, 1)
 
     def unsettled(self, seq: Sequence) -> int:
         """Tokens of `seq` that launched plans count as computed before their results came (a
         rollback takes them back; their steps may still be reading its KV)."""
-        return sum(n for launched in self._queue for s, n, _, preemptions in launched.rows
-                   if s is seq and preemptions == seq.num_preemptions)
+        return self._fed.get(id(seq), {}).get(seq.num_preemptions, 0)
 
     def take(self, plan: StepPlan) -> list[tuple[Sequence, int, int]]:
         """The oldest launched plan, whose result came: (sequence, output index, its preemptions
         when launched) per sampling row."""
         if not self._queue or self._queue[0].plan.step_id != plan.step_id:
             raise ValueError(f"result of step {plan.step_id} is not the oldest launched step")
-        return [(seq, index, preemptions) for seq, _, index, preemptions in self._queue.popleft().rows if index >= 0]
+        rows = self._queue.popleft().rows
+        self._count(rows, -1)
+        return [(seq, index, preemptions) for seq, _, index, preemptions in rows if index >= 0]
 
     def rollback(self, by_id: dict[str, Sequence]) -> None:
         """Take back every launched plan, newest first: their tokens are uncomputed again and their
         placeholders gone (the steps failed, or the engine was lost). Sequences that left this
         scheduler meanwhile (`by_id`: those it holds) are not touched."""
+        self._fed.clear()
         while self._queue:
             for seq, n, index, preemptions in reversed(self._queue.pop().rows):
                 if by_id.get(seq.request_id) is not seq:

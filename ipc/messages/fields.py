@@ -48,6 +48,8 @@ def _mismatch(path: str, expected: str, value: object) -> ProtocolError:
 
 
 def _check_int(value: Any, path: str) -> int:
+    if type(value) is int:  # the common case first: checks run per field of every row of every step
+        return value
     # bool is a subclass of int; on the wire it is a different type.
     if isinstance(value, bool) or not isinstance(value, int):
         raise _mismatch(path, "int", value)
@@ -55,6 +57,8 @@ def _check_int(value: Any, path: str) -> int:
 
 
 def _check_float(value: Any, path: str) -> float:
+    if type(value) is float and math.isfinite(value):
+        return value
     # Ints are accepted and widened: hand-written clients send `1` for 1.0.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _mismatch(path, "float", value)
@@ -65,6 +69,8 @@ def _check_float(value: Any, path: str) -> float:
 
 
 def _check_str(value: Any, path: str) -> str:
+    if type(value) is str:
+        return value
     if not isinstance(value, str):
         raise _mismatch(path, "str", value)
     # str.__str__ turns a str subclass (e.g. a str Enum) into its plain value.
@@ -182,7 +188,12 @@ def _list_checker(item: Checker, item_type: object) -> Checker:
     def check_list(value: Any, path: str) -> list[Any]:
         if not isinstance(value, (list, tuple)):
             raise _mismatch(path, "list", value)
-        out = [item(x, f"{path}[{i}]") for i, x in enumerate(value)]
+        try:  # each item's own path is formatted only for the error (a step plan's rows: thousands a step)
+            out = [item(x, path) for x in value]
+        except ProtocolError as fast:
+            for i, x in enumerate(value):
+                item(x, f"{path}[{i}]")
+            raise fast
         # Keep the caller's list object when nothing needed normalising.
         if type(value) is list and all(a is b for a, b in zip(out, value)):
             return value
@@ -258,26 +269,39 @@ def _record_checker(cls: type) -> Checker:
     # Filled right below, after the checker is cached, so a record whose
     # fields refer back to itself finds its own checker instead of recursing.
     holder: list[tuple[tuple[str, Checker, bool], ...]] = []
+    keys: list[tuple[frozenset[str], frozenset[str]]] = []  # (every field name, the required ones)
 
     def check_record(value: Any, path: str) -> Any:
         specs = holder[0]
         if isinstance(value, cls):
-            for name, check, _ in specs:
-                current = getattr(value, name)
-                checked = check(current, f"{path}.{name}")
-                if checked is not current:
-                    object.__setattr__(value, name, checked)
+            try:  # field paths are formatted only for the error, as in check_list
+                for name, check, _ in specs:
+                    current = getattr(value, name)
+                    checked = check(current, path)
+                    if checked is not current:
+                        object.__setattr__(value, name, checked)
+            except ProtocolError as fast:
+                for name, check, _ in specs:
+                    check(getattr(value, name), f"{path}.{name}")
+                raise fast
             return value
         if not isinstance(value, dict):
             raise _mismatch(path, f"{cls.__name__} map", value)
-        names = {name for name, _, _ in specs}
-        unknown = [str(k)[:64] for k in value if k not in names]
-        if unknown:
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"{path}: unknown field(s) {', '.join(sorted(unknown)[:8])}")
-        missing = [name for name, _, required in specs if required and name not in value]
-        if missing:
+        names, required = keys[0]
+        if not (value.keys() <= names and required <= value.keys()):
+            unknown = [str(k)[:64] for k in value if k not in names]
+            if unknown:
+                raise ProtocolError(ErrorCode.INVALID_FIELD,
+                                    f"{path}: unknown field(s) {', '.join(sorted(unknown)[:8])}")
+            missing = [name for name, _, required in specs if required and name not in value]
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"{path}: missing field(s) {', '.join(missing)}")
-        kwargs = {name: check(value[name], f"{path}.{name}") for name, check, _ in specs if name in value}
+        try:
+            kwargs = {name: check(value[name], path) for name, check, _ in specs if name in value}
+        except ProtocolError as fast:
+            for name, check, _ in specs:
+                if name in value:
+                    check(value[name], f"{path}.{name}")
+            raise fast
         try:
             return cls(**kwargs)
         except ProtocolError:
@@ -288,6 +312,8 @@ def _record_checker(cls: type) -> Checker:
     _RECORD_CHECKERS[cls] = check_record
     try:
         holder.append(tuple(_record_fields(cls)))
+        keys.append((frozenset(name for name, _, _ in holder[0]),
+                     frozenset(name for name, _, required in holder[0] if required)))
     except Exception:
         del _RECORD_CHECKERS[cls]
         raise
