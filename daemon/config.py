@@ -26,7 +26,7 @@ from loraplex.contracts.names import is_valid_name as is_valid_adapter_name
 from loraplex.contracts.settings import Checks, ConfigError, convert, field_types
 from loraplex.daemon.gpu_cache.predictor import PredictorConfig
 from loraplex.daemon.router import ROUTERS
-from loraplex.daemon.scheduler.config import SchedulerConfig
+from loraplex.daemon.scheduler.config import DEFAULT_OVERLAP, SchedulerConfig
 
 ENV_PREFIX = "LORAPLEX_"
 ENV_CONFIG = "LORAPLEX_CONFIG"
@@ -152,7 +152,7 @@ class SchedulerSettings:
     admit_when_loaded: bool = field(default=_SCHEDULER.admit_when_loaded, metadata=_help(
         "on_demand loads: a request whose adapter is still being copied to the GPU waits in the queue "
         "while the batch runs on, instead of stalling every request in the step on the copy."))
-    overlap: bool = field(default=False, metadata=_help(
+    overlap: bool = field(default=DEFAULT_OVERLAP, metadata=_help(
         "Plan each step while the engine runs the one before (one step in flight ahead; the engine "
         "feeds each decode row the token it sampled); false: the synchronous loop, which waits for "
         "each step's result before planning the next."))

@@ -283,7 +283,7 @@ def test_config_to_dict_is_plain() -> None:
                               "max_loras_per_batch": 64,
                               "ttft_slo_ms": None, "cluster_adapters": False, "cache_policy": "lru",
                               "cache_predictor": False, "cache_predictor_horizon_s": 5.0, "prefix_cache": True,
-                              "admit_when_loaded": True, "overlap": False,
+                              "admit_when_loaded": True, "overlap": True,
                               "router": "most_idle", "router_profile": None, "router_kernel": "mbgmv",
                               "tpt_slo_ms": 36.0, "rebalance_interval_s": 0.2}
 

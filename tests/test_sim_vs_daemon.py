@@ -79,7 +79,8 @@ def test_simulator_and_daemon_make_the_same_decisions(policy):
     max_num_seqs, max_batched_tokens = 6, 256
     profile = SimProfile(pool_pages=100_000, page_tokens=16, max_num_seqs=max_num_seqs,
                          max_batched_tokens=max_batched_tokens, max_model_len=4096)
-    sim = simulate(events, SimConfig(policy=policy, mode="cached", prefetch=True), profile)
+    # the in-process stub engine keeps no persistent batch, so the daemon's loop runs synchronously
+    sim = simulate(events, SimConfig(policy=policy, mode="cached", prefetch=True, overlap=False), profile)
     simulated = [(tuple(d.admitted), tuple(d.rows)) for d in sim.decisions]
     live = _daemon_decisions(events, policy, max_num_seqs, max_batched_tokens)
     assert len(simulated) > 5 and any(len(a) > 1 for a, _ in simulated)

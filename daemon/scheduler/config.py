@@ -15,6 +15,9 @@ from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS
 from loraplex.daemon.gpu_cache.predictor import PredictorConfig
 
 PREFIX_EVICTIONS = ("unified", "separate")
+# scheduler.overlap's default, which the simulator plans by too: one step planned ahead of the engine
+# (daemon/step_loop.py, depth 2); false runs the same loop synchronously.
+DEFAULT_OVERLAP = True
 
 
 @dataclass(frozen=True, slots=True)

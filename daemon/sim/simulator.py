@@ -18,7 +18,7 @@ from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.router import ROUTERS, EngineState, RequestInfo, Router, make_router
 from loraplex.daemon.router.snapshot import StepTimes, engine_state
 from loraplex.daemon.scheduler.base import BaseScheduler
-from loraplex.daemon.scheduler.config import SchedulerConfig
+from loraplex.daemon.scheduler.config import DEFAULT_OVERLAP, SchedulerConfig
 from loraplex.daemon.scheduler.factory import POLICIES, make_scheduler
 from loraplex.daemon.scheduler.sequence import SeqRequest
 from loraplex.daemon.sim.lcfs import LcfsScheduler
@@ -48,7 +48,7 @@ class SimConfig:
     admit_when_loaded: bool = True  # on_demand: a request waits in the queue while its adapter loads
     prefix_cache: bool = True  # automatic prefix caching, as scheduler.prefix_cache
     prefix_eviction: str = "unified"  # unified | separate (SchedulerConfig.prefix_eviction)
-    overlap: bool = False  # plan each step while the one before runs, as the daemon's scheduler.overlap does
+    overlap: bool = DEFAULT_OVERLAP  # plan each step while the one before runs, as scheduler.overlap does
     max_steps: int = 2_000_000
 
     def __post_init__(self) -> None:
