@@ -21,7 +21,7 @@ from typing import Any, ClassVar, get_args
 
 import tomllib
 
-from loraplex.contracts.engine_spec import EngineSpec, check_engine_settings
+from loraplex.contracts.engine_spec import EngineSpec, LoadMode, check_engine_settings
 from loraplex.contracts.names import is_valid_name as is_valid_adapter_name
 from loraplex.contracts.settings import Checks, ConfigError, convert, field_types
 from loraplex.daemon.gpu_cache.predictor import PredictorConfig
@@ -365,7 +365,7 @@ class LoraplexConfig:
             if not os.path.isabs(path):
                 raise ConfigError(f"adapters: directory of {name!r} must be an absolute path, got {path!r}", "adapters")
             seen.add(name)
-        if self.server.engines > 1 and self.model.adapter_load_mode == "cpu_assist":
+        if self.server.engines > 1 and self.model.adapter_load_mode == LoadMode.CPU_ASSIST:
             # The CPU LoRA worker pool and its exchange buffers serve one engine.
             raise ConfigError(f"model.adapter_load_mode=cpu_assist runs one engine; server.engines is "
                               f"{self.server.engines}", "server.engines")

@@ -16,8 +16,6 @@ from loraplex.contracts.layer_groups import layer_groups
 from loraplex.cpu_lora.calibration import split_rows
 from loraplex.ipc.engine_plan import CpuAssistStep, RowPlan, StepPlan
 
-LOAD_MODES = ("auto", "cached", "on_demand", "cpu_assist")
-
 
 @dataclass(slots=True)
 class CpuCosts:

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from loraplex.contracts.engine_spec import LoadMode
 from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
 from loraplex.daemon.child_link import EngineDied, EngineRefused
@@ -49,7 +50,7 @@ class EngineSlot:
         self.hello: EngineHello | None = None
         self.allocator: PageAllocator | None = None
         self.scheduler = None  # a daemon.scheduler policy, built when the engine is up
-        self.load_mode = "on_demand"
+        self.load_mode: str = LoadMode.ON_DEMAND.value
         self.store_segment: str | None = None  # the cache manager's host store; None: the engine reads disk
         # Whether an adapter sits in the host store (set by the daemon when it has a host tier): the
         # cache predictor's guesses still on disk are not prefetched. None: every adapter counts.
@@ -93,7 +94,7 @@ class EngineSlot:
             entry = adapters.get(name)
             return entry.nbytes if entry is not None else 0
 
-        link = 0.0 if self.load_mode == "cached" else hello.link_bytes_per_s
+        link = 0.0 if self.load_mode == LoadMode.CACHED else hello.link_bytes_per_s
         return engine_state(self.index, self.scheduler, rank_of=adapters.rank_of, bytes_of=bytes_of,
                             max_num_seqs=max_seqs, total_pages=hello.num_pages, tokens_per_s=self.tokens_per_s,
                             load_bytes_per_s=link, healthy=self.healthy, steps=self.step_times, now=time.monotonic())
@@ -159,7 +160,7 @@ class EngineSlot:
         geometry = PageGeometry(kv_dim=hello.kv_dim, page_tokens=hello.page_tokens, max_row_width=hello.page_elems)
         self.allocator = PageAllocator(hello.num_pages)
         self.load_mode = hello.load_mode
-        load_groups = cpu_assist_groups if self.load_mode == "cpu_assist" else 1
+        load_groups = cpu_assist_groups if self.load_mode == LoadMode.CPU_ASSIST else 1
         for name, path in hello.demo_adapters.items():  # the built-in demo's adapters, serving without --model
             if name not in adapters:
                 adapters.put(AdapterEntry(name=name, path=path))
@@ -207,7 +208,7 @@ class EngineSlot:
                             ttft_slo_s=None if sched.ttft_slo_ms is None else sched.ttft_slo_ms / 1e3,
                             cluster_adapters=sched.cluster_adapters, cache_policy=cache_policy,
                             cache_predictor=predictor, prefix_cache=sched.prefix_cache,
-                            admit_when_loaded=sched.admit_when_loaded and self.load_mode == "on_demand",
+                            admit_when_loaded=sched.admit_when_loaded and self.load_mode == LoadMode.ON_DEMAND,
                             kv_window=hello.kv_window),
             geometry, self.allocator, adapters.pages, tuple(hello.eos_token_ids), adapter_rank=rank_of,
         )

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 
+from loraplex.contracts.engine_spec import LoadMode
 from loraplex.daemon.adapter_table import AdapterEntry, AdapterTable
 from loraplex.daemon.child_link import EngineDied, EngineRefused
 from loraplex.daemon.config import LoraplexConfig
@@ -46,7 +47,7 @@ class EngineSupervisor:
         self._make_cpu_pool = make_cpu_pool
         self.cpu = None  # CpuAssistDriver in cpu_assist mode (one engine)
         self.hello: EngineHello | None = None  # the first engine's: what model every engine runs
-        self.load_mode = "on_demand"  # as the engines resolved model.adapter_load_mode
+        self.load_mode: str = LoadMode.ON_DEMAND.value  # as the engines resolved model.adapter_load_mode
 
     def alive(self) -> bool:
         """At least one engine process is running (the watchdog's health check)."""
@@ -73,9 +74,9 @@ class EngineSupervisor:
         # A PCIe figure only with a GPU: on the CPU the engine's link rate is a memcpy (cpu_assist plans with it).
         self.stats.link_bytes_per_s = hello.link_bytes_per_s if hello.device.startswith("cuda") else None
         self.load_mode = hello.load_mode
-        if self.load_mode == "cpu_assist":
+        if self.load_mode == LoadMode.CPU_ASSIST:
             await self._start_cpu_assist(hello)
-        if self.load_mode == "cached":
+        if self.load_mode == LoadMode.CACHED:
             await slot.preload(self.adapters)
         slot.release_waiting()
 
@@ -218,7 +219,7 @@ class EngineSupervisor:
     def keep_for_cached_mode(self, entry: AdapterEntry, *, in_store: bool = True) -> None:
         """cached mode: a ready adapter (in the host store, with one) is placed on every engine with
         the next step and kept for good."""
-        if self.load_mode == "cached" and entry.state == "ready" and in_store:
+        if self.load_mode == LoadMode.CACHED and entry.state == "ready" and in_store:
             for sched in self.schedulers():
                 sched.adapters.acquire(entry.name, entry.num_pages)
 

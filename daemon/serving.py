@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from typing import Callable
 from typing import Sequence as SequenceOf
 
+from loraplex.contracts.engine_spec import LoadMode
 from loraplex.daemon.adapter_admin import AdapterAdmin
 from loraplex.daemon.adapter_hash import AdapterReader
 from loraplex.daemon.adapter_identity import AdapterIdentity
@@ -123,7 +124,7 @@ class ServingCore:
                 await self.host.stop()
             raise
         self.admission.use_model(self.engines.hello)
-        if self.loader is not None and self.engines.load_mode == "cached":
+        if self.loader is not None and self.engines.load_mode == LoadMode.CACHED:
             # cached mode places every adapter at start by definition: its start-up grows with them
             # (each read still bounded by server.adapter_read_timeout_s; a bad one is marked `error`).
             await self.loader.warm()
@@ -132,7 +133,7 @@ class ServingCore:
                     await slot.flush_placements()
         self._loops = [asyncio.create_task(self._loop(slot).run(), name=f"step-loop-{slot.index}")
                        for slot in self.engines.slots]
-        if self.loader is not None and self.engines.load_mode != "cached":
+        if self.loader is not None and self.engines.load_mode != LoadMode.CACHED:
             self.loader.start_warming()
 
     def _loop(self, slot) -> StepLoop:

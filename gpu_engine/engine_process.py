@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.contracts.engine_spec import EngineSpec
+from loraplex.contracts.engine_spec import EngineSpec, LoadMode
 from loraplex.contracts.tensor_parallel import TensorParallelPlan
 from loraplex.gpu_engine.child_process import run_child
 from loraplex.gpu_engine.engine_orders import EngineOrders
@@ -241,7 +241,7 @@ def _start(spec: EngineSpec) -> tuple[EngineRuntime, CpuAssistResources | None, 
     try:
         runtime = build_runtime(spec, link=group.link if group is not None else None)
         install_faults(runtime.executor.model)  # test-only: no-op unless LORAPLEX_FAULTS is set
-        resources = CpuAssistResources(runtime) if runtime.spec.adapter_load_mode == "cpu_assist" else None
+        resources = CpuAssistResources(runtime) if runtime.spec.adapter_load_mode == LoadMode.CPU_ASSIST else None
     except BaseException:
         if group is not None:
             group.kill()  # they may be building their runtimes: no order would reach them

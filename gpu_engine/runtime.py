@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.contracts.engine_spec import EngineSpec
+from loraplex.contracts.engine_spec import EngineSpec, LoadMode
 from loraplex.contracts.geometry import PageGeometry
 from loraplex.contracts.settings import ConfigError
 from loraplex.gpu_engine.executor import Executor
@@ -47,9 +47,10 @@ def resolve_spec(spec: EngineSpec, rank: int = 0) -> EngineSpec:
     dtype = ("bfloat16" if on_gpu else "float32") if spec.dtype == "auto" else spec.dtype
     tp = ranks > 1  # TP runs the torch backend and GPU-only loading (EngineSpec's checks)
     backend = ("triton" if on_gpu and not tp else "torch") if spec.lora_backend == "auto" else spec.lora_backend
-    mode = ("cpu_assist" if on_gpu and not tp else "on_demand") if spec.adapter_load_mode == "auto" \
-        else spec.adapter_load_mode
-    if tp and on_gpu and mode == "cpu_assist":  # its sync-free CUDA path (cpu_assist_cuda.py) is one device's
+    mode = spec.adapter_load_mode
+    if mode == LoadMode.AUTO:
+        mode = (LoadMode.CPU_ASSIST if on_gpu and not tp else LoadMode.ON_DEMAND).value
+    if tp and on_gpu and mode == LoadMode.CPU_ASSIST:  # its sync-free CUDA path (cpu_assist_cuda.py) is one device's
         raise ConfigError("adapter_load_mode=cpu_assist with tensor_parallel_size > 1 runs on CPU hosts only "
                           "for now (on CUDA use on_demand or cached, or tensor_parallel_size 1)", "adapter_load_mode")
     model = spec.model
@@ -94,7 +95,7 @@ def build_runtime(spec: EngineSpec, *, max_num_seqs: int | None = None, link: Ra
     model_dir = Path(spec.model or "")
     device, dtype = torch.device(spec.device), DTYPES[spec.dtype]
     config = ModelConfig.from_dir(model_dir)
-    split = model_split(config, comm, assisted=spec.adapter_load_mode == "cpu_assist")
+    split = model_split(config, comm, assisted=spec.adapter_load_mode == LoadMode.CPU_ASSIST)
     if spec.load_format == "dummy":
         # Every rank makes the whole model from the same seed and keeps its slice, so the ranks'
         # random values agree (host memory: the whole model, once per rank; benchmarks only).

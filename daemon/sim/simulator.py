@@ -13,6 +13,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from loraplex.contracts.engine_spec import LoadMode
 from loraplex.contracts.geometry import PageGeometry
 from loraplex.daemon.memory.allocator import PageAllocator
 from loraplex.daemon.router import ROUTERS, EngineState, RequestInfo, Router, make_router
@@ -26,7 +27,7 @@ from loraplex.daemon.sim.profile import SimProfile
 from loraplex.daemon.sim.workload import RequestEvent, prompt_tokens
 from loraplex.ipc.engine_plan import RowPlan, RowResult, SamplingSpec, StepPlan, StepResult
 
-MODES = ("cached", "on_demand", "cpu_assist")
+MODES = tuple(mode.value for mode in LoadMode if mode is not LoadMode.AUTO)
 SIM_POLICIES = (*POLICIES, "lcfs")  # lcfs: a baseline only the simulator offers (lcfs.py)
 _TOKEN = 3  # what the simulated model samples (requests ignore EOS; lengths come from the workload)
 PROGRESS_EVERY = 4096  # event-loop turns between progress reports
@@ -36,7 +37,7 @@ PROGRESS_EVERY = 4096  # event-loop turns between progress reports
 class SimConfig:
     policy: str = "fcfs"  # scheduler: fcfs | mlq | dlora | lcfs
     cache_policy: str = "lru"  # none | lru | fifo | cost
-    mode: str = "on_demand"  # cached (loads are free) | on_demand (steps wait) | cpu_assist
+    mode: str = LoadMode.ON_DEMAND.value  # cached (loads are free) | on_demand (steps wait) | cpu_assist
     router: str = "most_idle"
     num_engines: int = 1
     ttft_slo_ms: float = 2000.0
@@ -170,7 +171,7 @@ class Simulator:
             max_num_seqs=p.max_num_seqs, max_batched_tokens=p.max_batched_tokens, max_model_len=p.max_model_len,
             cache_policy=c.cache_policy, prefetch=c.prefetch, cluster_adapters=c.cluster_adapters,
             max_loras_per_batch=c.max_loras_per_batch, ttft_slo_s=c.ttft_slo_ms / 1e3 if c.early_abort else None,
-            admit_when_loaded=c.admit_when_loaded and c.mode == "on_demand",
+            admit_when_loaded=c.admit_when_loaded and c.mode == LoadMode.ON_DEMAND,
             prefix_cache=c.prefix_cache, prefix_eviction=c.prefix_eviction)
         geometry = PageGeometry(kv_dim=1, page_tokens=p.page_tokens, max_row_width=0)
 
@@ -287,7 +288,7 @@ class Simulator:
         return engine_state(eng.index, eng.sched, rank_of=self._ranks.__getitem__,
                             bytes_of=lambda adapter, rank: p.adapter_bytes(rank), max_num_seqs=p.max_num_seqs,
                             total_pages=p.pool_pages, tokens_per_s=rate,
-                            load_bytes_per_s=0.0 if self.config.mode == "cached" else p.pcie_bytes_per_s,
+                            load_bytes_per_s=0.0 if self.config.mode == LoadMode.CACHED else p.pcie_bytes_per_s,
                             steps=eng.step_times, now=self.clock.now)
 
     # ---- one engine step ---------------------------------------------------------------------
@@ -329,7 +330,7 @@ class Simulator:
             rank = self._ranks[placement.name]
             load_s = p.load_s(rank)
             eng.sched.adapters.record_load_ms(placement.name, load_s * 1e3)
-            if mode == "cached":
+            if mode == LoadMode.CACHED:
                 continue  # every adapter already sits in GPU memory: ready now, like one not in ready_at
             eng.link_free = max(now, eng.link_free) + load_s
             eng.ready_at[placement.name] = eng.link_free
@@ -352,10 +353,10 @@ class Simulator:
                 wait_until = max(wait_until, ready)
                 cold_cpu_s += p.cpu_lora_s(n, rank)
         step_s = p.step_ms(ranks, prefill, decode) / 1e3
-        if mode == "cpu_assist":  # CPU workers compute the cold deltas while the GPU runs the base model
+        if mode == LoadMode.CPU_ASSIST:  # CPU workers compute the cold deltas while the GPU runs the base model
             start, step_s = now, max(step_s, cold_cpu_s)
         else:
-            start = wait_until if mode == "on_demand" else now
+            start = wait_until if mode == LoadMode.ON_DEMAND else now
         eng.plan, eng.started, eng.end = plan, now, start + step_s
         eng.busy_s += eng.end - now
         eng.step_times.observe(step_s * 1e3, ranks, tokens - len(plan.rows))  # plan.prefill_tokens, summed once

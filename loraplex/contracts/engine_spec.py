@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, fields
+from enum import Enum
 
 from loraplex.contracts.settings import Checks, ConfigError
 
@@ -22,7 +23,22 @@ DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 LORA_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 LOAD_FORMATS: tuple[str, ...] = ("safetensors", "dummy")  # dummy: random weights from config.json alone
-ADAPTER_LOAD_MODES: tuple[str, ...] = ("auto", "cached", "on_demand", "cpu_assist")
+
+
+class LoadMode(str, Enum):
+    """How a cold adapter reaches the GPU (README, "Adapter load modes"), named once: members equal
+    their names, so settings, wire fields and stats stay plain strings."""
+
+    AUTO = "auto"  # cpu_assist on CUDA (on_demand under tensor parallelism), else on_demand
+    CACHED = "cached"
+    ON_DEMAND = "on_demand"
+    CPU_ASSIST = "cpu_assist"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ADAPTER_LOAD_MODES: tuple[str, ...] = tuple(mode.value for mode in LoadMode)
 
 
 def check_engine_settings(checks: Checks) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Group, RenderableType
 from rich.text import Text
 
+from loraplex.contracts.engine_spec import LoadMode
 from loraplex.tui.format import MISSING, dig, fmt_count, fmt_id, fmt_pct, fmt_rate, num, rows
 from loraplex.tui.panels.base import BAD, GOOD, WARN, PanelSpec, compact_table, kv, note
 from loraplex.tui.view import View
@@ -60,7 +61,7 @@ def render_workers(view: View, width: int, height: int) -> RenderableType:
     workers = reported_workers(view.stats)
     if not workers:
         mode = view.stats.get("load_mode")
-        if isinstance(mode, str) and mode != "cpu_assist":
+        if isinstance(mode, str) and mode != LoadMode.CPU_ASSIST:
             return Group(note(f"no CPU LoRA workers ({mode} loads)"))  # only cpu_assist runs them
         return Group(note("CPU LoRA pool n/a (not reported by this daemon)"))
     rates = [tokens_per_s(view, w, i) for i, w in enumerate(workers)]
