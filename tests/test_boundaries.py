@@ -109,3 +109,78 @@ def test_the_offline_api_is_reached_from_the_root() -> None:
     import loraplex.gpu_engine
 
     assert not hasattr(loraplex.gpu_engine, "LLM")  # re-exporting it would import the daemon
+
+
+def _top_level_imports(path: Path, modules: set[str]) -> set[str]:
+    """The project modules `path` imports when it is imported: its module-level import statements
+    (imports inside functions run later, and are how a deliberate back-reference is written)."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    package = ".".join([PACKAGE_OF[rel.parts[0]], *rel.parts[1:-1]])
+    found: set[str] = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found & modules
+
+
+def import_cycles() -> list[list[str]]:
+    """Strongly connected groups of more than one module in the graph of module-level imports."""
+    files = {}
+    for folder, package in PACKAGE_OF.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join([package, *rel]).removesuffix(".__init__")
+            files[name] = path
+    graph = {name: _top_level_imports(path, set(files)) - {name} for name, path in files.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for name in sorted(graph):
+        if name not in order:
+            visit(name)
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    assert import_cycles() == []
+
+
+def test_the_cycle_check_finds_a_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check is not vacuous: two modules that import each other at module level are one cycle."""
+    real = _top_level_imports
+
+    def with_cycle(path: Path, modules: set[str]) -> set[str]:
+        found = real(path, modules)
+        if path == ROOT / "daemon" / "scheduler" / "sequence.py":
+            found.add("loraplex.daemon.scheduler.base")
+        return found
+
+    monkeypatch.setitem(globals(), "_top_level_imports", with_cycle)
+    assert any({"loraplex.daemon.scheduler.base", "loraplex.daemon.scheduler.sequence"} <= set(c)
+               for c in import_cycles())
