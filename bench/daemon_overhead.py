@@ -220,7 +220,7 @@ def serve_stub_process(batch: int, loop: str) -> int:
     import uvloop
 
     from bench.stub_engine import StubProcessLink
-    from loraplex.daemon.config import load_config
+    from loraplex.daemon.config_load import load_config
     from loraplex.daemon.main import run_daemon
 
     config = load_config(None, overrides={"scheduler.max_num_seqs": max(batch, 1),
@@ -234,7 +234,7 @@ def serve_stub() -> int:
     import uvloop
 
     from bench.stub_engine import StubEngineLink
-    from loraplex.daemon.config import load_config
+    from loraplex.daemon.config_load import load_config
     from loraplex.daemon.main import run_daemon
 
     config = load_config(None, overrides={"scheduler.max_num_seqs": 256, "scheduler.max_batched_tokens": 4096})

@@ -1,29 +1,28 @@
-"""The daemon's configuration: frozen dataclasses and the one loader that fills them.
+"""The daemon's configuration: the frozen dataclasses that declare every setting.
 
-Owns the settings (model, scheduler, server, adapters), their validation, and the
-mapping of defaults < TOML file < LORAPLEX_* environment < command-line flags onto
-them; the engine spec every child process starts with is built from them once
-(LoraplexConfig.engine_spec). The [model] section's engine settings take their defaults
-and checks from loraplex/contracts/engine_spec.py, the scheduling limits theirs from
+Owns the settings (model, scheduler, server, adapters) and their validation; the one
+loader that maps defaults < TOML file < LORAPLEX_* environment < command-line flags onto
+them is daemon/config_load.py, the TOML writer daemon/config_toml.py; the engine spec
+every child process starts with is built from them once (LoraplexConfig.engine_spec). The
+[model] section's engine settings take their defaults and checks from
+loraplex/contracts/engine_spec.py, the scheduling limits theirs from
 daemon/scheduler/config.py. Must never import torch or numpy, and never touch the
-filesystem beyond reading the TOML file: resolving devices, paths and pools happens
-where they are used (`auto` values in the engine, gpu_engine/runtime.py).
+filesystem: resolving devices, paths and pools happens where they are used (`auto` values
+in the engine, gpu_engine/runtime.py).
 """
 from __future__ import annotations
 
 import ipaddress
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar, get_args
-
-import tomllib
+from typing import ClassVar
 
 from loraplex.contracts.engine_spec import EngineSpec, LoadMode, check_engine_settings
 from loraplex.contracts.names import is_valid_name as is_valid_adapter_name
-from loraplex.contracts.settings import Checks, ConfigError, convert, field_types
+from loraplex.contracts.settings import Checks, ConfigError
 from loraplex.daemon.gpu_cache.predictor import PredictorConfig
 from loraplex.daemon.router import ROUTERS
 from loraplex.daemon.scheduler.config import DEFAULT_OVERLAP, SchedulerConfig
@@ -51,7 +50,7 @@ _SCHEDULER = SchedulerConfig()
 _PREDICTOR = PredictorConfig()
 # Fields holding filesystem paths: `~` is expanded and relative paths are anchored
 # (at the TOML file's directory for file values, at the working directory otherwise).
-_PATH_KEYS = frozenset({"server.runtime_dir", "server.state_dir", "server.adapter_dirs", "scheduler.router_profile",
+PATH_KEYS = frozenset({"server.runtime_dir", "server.state_dir", "server.adapter_dirs", "scheduler.router_profile",
                         "server.tcp_curve_secret_key_file", "server.tcp_curve_allowed_keys"})
 
 
@@ -422,257 +421,3 @@ def parse_adapter_arg(text: str) -> tuple[str, str]:
     if not sep or not name or not path:
         raise ConfigError(f"adapter must be given as NAME=DIR, got {text!r}", "adapters")
     return name, path
-
-
-# ---- loading -------------------------------------------------------------------------------
-
-
-def load_config(
-    path: str | os.PathLike[str] | None,
-    env: Mapping[str, str] | None = None,
-    overrides: Mapping[str, object] | None = None,
-) -> LoraplexConfig:
-    """Build the configuration from defaults < TOML file `path` < `env` < `overrides`.
-
-    `path` None means $LORAPLEX_CONFIG when set, else no file. `env` defaults to
-    os.environ; only LORAPLEX_MODEL_*, LORAPLEX_SCHEDULER_*, LORAPLEX_SERVER_* and the
-    ENV_ALIASES are read (and checked: an unknown field there is an error). `overrides`
-    maps "section.field" (or "adapters") to what the command line gave; a None value
-    means the flag was not given. Adapters merge by name, later sources winning.
-    Raises ConfigError (a ValueError) naming the key and where its value came from.
-    """
-    env = os.environ if env is None else env
-    builder = _ConfigBuilder()
-    if path is None and env.get(ENV_CONFIG):
-        path = env[ENV_CONFIG]
-    if path is not None:
-        builder.read_file(Path(path).expanduser())
-    builder.read_env(env)
-    if overrides:
-        builder.read_overrides(overrides)
-    return builder.build()
-
-
-class _ConfigBuilder:
-    """Collects each setting from the sources in precedence order (file, environment, flags; a later
-    one wins), typed and with the place it came from, then builds the checked LoraplexConfig, naming
-    that place in any error."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, dict[str, object]] = {name: {} for name in SECTIONS}
-        self.where: dict[str, str] = {}
-        self.adapters: dict[str, tuple[str, str]] = {}  # name -> (dir, where)
-
-    def set(self, key: str, raw: object, where: str, *, from_text: bool, base: Path) -> None:
-        section, name = key.split(".", 1)
-        value = convert(key, raw, field_types(SECTIONS[section])[name], where=where, from_text=from_text)
-        if key in _PATH_KEYS and value is not None:
-            value = tuple(_anchor(p, base) for p in value) if isinstance(value, tuple) else _anchor(value, base)
-        self.values[section][name] = value
-        self.where[key] = where
-
-    def add_adapter(self, name: object, path: object, where: str, base: Path) -> None:
-        if not isinstance(name, str) or not isinstance(path, str) or not path:
-            raise ConfigError(f"adapters: {name!r} must map to a directory string, got {path!r} ({where})", "adapters")
-        self.adapters[name] = (_anchor(path, base), where)
-
-    def read_file(self, path: Path) -> None:
-        where = f"file {path}"
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-        base = path.resolve().parent
-        valid_top = [*SECTIONS, "adapters"]
-        for top, table in data.items():
-            if top not in valid_top:
-                raise ConfigError(f"unknown section [{top}] in {where}; valid sections: {', '.join(valid_top)}", top)
-            if not isinstance(table, dict):
-                raise ConfigError(f"{top} must be a table ([{top}]) in {where}, got {table!r}", top)
-            if top == "adapters":
-                for name, adapter_dir in table.items():
-                    self.add_adapter(name, adapter_dir, where, base)
-                continue
-            names = field_types(SECTIONS[top])
-            for name, raw in table.items():
-                if name not in names:
-                    raise ConfigError(
-                        f"unknown setting {top}.{name} in {where}; valid [{top}] settings: {', '.join(names)}",
-                        f"{top}.{name}",
-                    )
-                self.set(f"{top}.{name}", raw, where, from_text=False, base=base)
-
-    def read_env(self, env: Mapping[str, str]) -> None:
-        cwd = Path.cwd()
-        targets: dict[str, tuple[str, str]] = {}  # key -> (variable, text)
-        for var in sorted(env):
-            if var in ENV_ALIASES:
-                key = ENV_ALIASES[var]
-            else:
-                section = next((s for s in SECTIONS if var.startswith(f"{ENV_PREFIX}{s.upper()}_")), None)
-                if section is None:
-                    continue  # another component's variable (LORAPLEX_CACHE_DIR, LORAPLEX_CONFIG, ...)
-                name = var[len(ENV_PREFIX) + len(section) + 1:].lower()
-                if name not in field_types(SECTIONS[section]):
-                    valid = ", ".join(env_var(f"{section}.{n}") for n in field_types(SECTIONS[section]))
-                    raise ConfigError(f"unknown environment variable {var}; valid for [{section}]: {valid}", var)
-                key = f"{section}.{name}"
-            if key in targets and targets[key][1] != env[var]:
-                other = targets[key][0]
-                raise ConfigError(f"{other} and {var} both set {key}, to different values; unset one", key)
-            targets[key] = (var, env[var])
-        for key, (var, text) in targets.items():
-            self.set(key, text, f"environment variable {var}", from_text=True, base=cwd)
-
-    def read_overrides(self, overrides: Mapping[str, object]) -> None:
-        cwd = Path.cwd()
-        valid = [f"{s}.{n}" for s, cls in SECTIONS.items() for n in field_types(cls)] + ["adapters"]
-        for key, raw in overrides.items():
-            if key not in valid:
-                raise ConfigError(f"unknown setting {key!r}; valid: {', '.join(valid)}", key)
-            if raw is None:
-                continue  # flag not given
-            where = f"flag {key}"
-            if key == "adapters":
-                for name, adapter_dir in _adapter_pairs(raw, where):
-                    self.add_adapter(name, adapter_dir, where, cwd)
-            else:
-                self.set(key, raw, where, from_text=isinstance(raw, str), base=cwd)
-
-    def build(self) -> LoraplexConfig:
-        sections: dict[str, Any] = {}
-        for name, cls in SECTIONS.items():
-            try:
-                sections[name] = cls(**self.values[name])
-            except ConfigError as exc:
-                raise self._with_source(exc) from None
-        try:
-            return LoraplexConfig(**sections, adapters=tuple((n, d) for n, (d, _) in self.adapters.items()))
-        except ConfigError as exc:
-            raise self._with_source(exc) from None
-
-    def _with_source(self, exc: ConfigError) -> ConfigError:
-        where = self.where.get(exc.key or "")
-        if where is None and exc.key == "adapters":
-            where = ", ".join(sorted({w for _, w in self.adapters.values()})) or None
-        return ConfigError(f"{exc} (from {where})" if where else str(exc), exc.key)
-
-
-def _adapter_pairs(raw: object, where: str) -> list[tuple[object, object]]:
-    """Adapters from a flag: a mapping, NAME=DIR strings (one or comma-separated) or (name, dir) pairs."""
-    if isinstance(raw, Mapping):
-        return list(raw.items())
-    items = [p for p in raw.split(",") if p.strip()] if isinstance(raw, str) else raw
-    if not isinstance(items, Iterable):
-        raise ConfigError(f"adapters: expected NAME=DIR strings, got {raw!r} ({where})", "adapters")
-    pairs: list[tuple[object, object]] = []
-    for item in items:
-        if isinstance(item, str):
-            pairs.append(parse_adapter_arg(item))
-        elif isinstance(item, (tuple, list)) and len(item) == 2:
-            pairs.append((item[0], item[1]))
-        else:
-            raise ConfigError(f"adapters: expected NAME=DIR or (name, dir), got {item!r} ({where})", "adapters")
-    return pairs
-
-
-def _anchor(path: str, base: Path) -> str:
-    """Expand `~` and make `path` absolute relative to `base` (lexically; symlinks stay)."""
-    return os.path.abspath(os.path.join(base, os.path.expanduser(path)))
-
-
-# ---- rendering -------------------------------------------------------------------------------
-
-
-def config_to_dict(cfg: LoraplexConfig) -> dict[str, object]:
-    """Plain dict of every setting (tuples as lists, adapters as name -> dir), for stats and debugging."""
-    out: dict[str, object] = {}
-    for name in SECTIONS:
-        section = getattr(cfg, name)
-        out[name] = {f: _plain(getattr(section, f)) for f in field_types(type(section))}
-    out["adapters"] = dict(cfg.adapters)
-    return out
-
-
-def render_toml(cfg: LoraplexConfig, *, comments: bool = True) -> str:
-    """`cfg` as a TOML file that load_config reads back to an equal config; unset options are commented out."""
-    lines: list[str] = []
-    if comments:
-        lines += [
-            "# loraplex configuration.",
-            "# Precedence: built-in defaults < this file < LORAPLEX_* environment < command-line flags.",
-            "# Every setting also reads LORAPLEX_<SECTION>_<FIELD>, e.g. LORAPLEX_SCHEDULER_MAX_NUM_SEQS=8.",
-            "",
-        ]
-    for name, cls in SECTIONS.items():
-        section = getattr(cfg, name)
-        lines.append(f"[{name}]")
-        for f in fields(cls):
-            value = getattr(section, f.name)
-            if comments:
-                lines.append(f"# {f.metadata['help']}  (env {env_var(f'{name}.{f.name}')})")
-            if value is None:
-                if comments:
-                    lines.append(f"# {f.name} = {_toml_value(_example(f.metadata, field_types(cls)[f.name]))}")
-            else:
-                lines.append(f"{f.name} = {_toml_value(value)}")
-        lines.append("")
-    lines.append("[adapters]")
-    if comments:
-        lines.append("# Adapters registered at start: NAME = \"DIR\" (relative paths are relative to this file).")
-        if not cfg.adapters:
-            lines.append('# qv-r8 = "/srv/adapters/qv-r8"')
-    for adapter_name, adapter_dir in cfg.adapters:
-        lines.append(f"{_toml_key(adapter_name)} = {_toml_value(adapter_dir)}")
-    return "\n".join(lines) + "\n"
-
-
-def example_toml() -> str:
-    """A complete commented example file holding the defaults (deploy/loraplex.toml)."""
-    return render_toml(LoraplexConfig())
-
-
-def _example(metadata: Mapping[str, str], hint: Any) -> object:
-    text = metadata.get("example", "")
-    inner = next((a for a in get_args(hint) if a is not type(None)), str)
-    return int(text) if inner is int else text
-
-
-def _plain(value: object) -> object:
-    return list(value) if isinstance(value, tuple) else value
-
-
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def _toml_key(key: str) -> str:
-    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
-
-
-def _toml_string(s: str) -> str:
-    escaped = []
-    for ch in s:
-        if ch in ('"', "\\"):
-            escaped.append("\\" + ch)
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            escaped.append(f"\\u{ord(ch):04x}")
-        else:
-            escaped.append(ch)
-    return '"' + "".join(escaped) + '"'
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return f"{value:_}" if abs(value) >= 10_000 else str(value)
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, str):
-        return _toml_string(value)
-    if isinstance(value, tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot render {value!r} as TOML")

@@ -157,7 +157,8 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
 
 def _run_serve(args: argparse.Namespace) -> int:
     """Run the daemon in the foreground (torch stays in the engine process)."""
-    from loraplex.daemon.config import ConfigError, load_config, parse_adapter_arg
+    from loraplex.daemon.config import ConfigError, parse_adapter_arg
+    from loraplex.daemon.config_load import load_config
     from loraplex.daemon.main import serve
     from loraplex.ipc.socket_options import EndpointInUse
 
@@ -381,7 +382,8 @@ def _adapters_via_registry(args: argparse.Namespace, runtime_dir: Path) -> int:
     import sqlite3
 
     from loraplex.adapters_offline import print_offline_list
-    from loraplex.daemon.config import ConfigError, default_state_dir, load_config
+    from loraplex.daemon.config import ConfigError, default_state_dir
+    from loraplex.daemon.config_load import load_config
     from loraplex.daemon.model_scope import ModelScopeError, model_scope
     from loraplex.daemon.registry import AdapterRegistry, RegistryError
 

@@ -30,7 +30,8 @@ def _state_dir_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loraplex.daemon.config import ConfigError, load_config
+    from loraplex.daemon.config import ConfigError
+    from loraplex.daemon.config_load import load_config
     from loraplex.daemon.registry_check import check_registry
 
     try:

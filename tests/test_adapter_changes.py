@@ -14,7 +14,7 @@ import pytest
 
 from bench.stub_engine import StubEngineLink
 from loraplex.daemon.child_link import EngineRefused
-from loraplex.daemon.config import load_config
+from loraplex.daemon.config_load import load_config
 from loraplex.daemon.registry import AdapterRegistry
 from loraplex.daemon.server import Dispatcher
 from loraplex.daemon.serving import Rejected, ServingCore

@@ -154,7 +154,7 @@ def test_engine_slots_build_caches_with_the_configured_predictor_and_host_filter
     from bench.stub_engine import StubEngineLink
     from loraplex.contracts.geometry import PageGeometry
     from loraplex.daemon.adapter_table import AdapterTable
-    from loraplex.daemon.config import load_config
+    from loraplex.daemon.config_load import load_config
     from loraplex.daemon.engine_slot import EngineSlot
     from loraplex.daemon.memory.allocator import PageAllocator
 

@@ -17,7 +17,8 @@ import zmq
 import zmq.asyncio
 
 from loraplex import cli
-from loraplex.daemon.config import ConfigError, load_config
+from loraplex.daemon.config import ConfigError
+from loraplex.daemon.config_load import load_config
 from loraplex.ipc.client import AsyncClient, Client, ErrorCode, LoraplexError
 from loraplex.ipc.curve import (
     CurveClientKeys,

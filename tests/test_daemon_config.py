@@ -19,14 +19,12 @@ from loraplex.daemon.config import (
     ModelSettings,
     SchedulerSettings,
     ServerSettings,
-    config_to_dict,
     default_state_dir,
     env_var,
-    example_toml,
-    load_config,
     parse_adapter_arg,
-    render_toml,
 )
+from loraplex.daemon.config_load import load_config
+from loraplex.daemon.config_toml import config_to_dict, example_toml, render_toml
 
 
 def write(tmp_path: Path, text: str, name: str = "loraplex.toml") -> Path:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import zmq.asyncio
 
 from bench.stub_engine import StubEngineLink
-from loraplex.daemon.config import load_config
+from loraplex.daemon.config_load import load_config
 from loraplex.daemon.engine_link import EngineLink
 from loraplex.daemon.serving import ServingCore
 from loraplex.ipc.protocol import ErrorReply, GenerateRequest

@@ -11,7 +11,7 @@ import pytest
 
 from bench.stub_engine import StubEngineLink
 from loraplex.daemon.child_link import EngineDied
-from loraplex.daemon.config import load_config
+from loraplex.daemon.config_load import load_config
 from loraplex.daemon.router import ROUTERS, Router
 from loraplex.daemon.serving import Rejected, ServingCore
 from loraplex.ipc.engine_plan import RowResult, StepResult

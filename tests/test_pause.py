@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from bench.stub_engine import StubEngineLink
-from loraplex.daemon.config import load_config
+from loraplex.daemon.config_load import load_config
 from loraplex.daemon.serving import ServingCore
 from loraplex.ipc.protocol import GenerateRequest
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from bench.stub_engine import StubEngineLink
-from loraplex.daemon.config import load_config
+from loraplex.daemon.config_load import load_config
 from loraplex.daemon.detokenizer import load_tokenizer
 from loraplex.daemon.intake import NORMALIZER_SLACK, PromptIntake, longest_token_chars
 from loraplex.daemon.serving import Rejected, ServingCore

@@ -63,7 +63,8 @@ def test_daemon_notifies_systemd(demo, tmp_path):
 def test_deploy_files_are_consistent():
     from pathlib import Path
 
-    from loraplex.daemon.config import example_toml, load_config
+    from loraplex.daemon.config_load import load_config
+    from loraplex.daemon.config_toml import example_toml
 
     root = Path(__file__).resolve().parent.parent / "deploy"
     assert (root / "loraplex.toml").read_text() == example_toml() + "\n"

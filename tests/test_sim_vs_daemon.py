@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from bench.stub_engine import StubEngineLink
-from loraplex.daemon.config import load_config
+from loraplex.daemon.config_load import load_config
 from loraplex.daemon.serving import ServingCore
 from loraplex.daemon.sim.profile import SimProfile
 from loraplex.daemon.sim.simulator import SimConfig, simulate

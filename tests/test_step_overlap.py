@@ -11,7 +11,7 @@ from collections import deque
 import pytest
 
 from loraplex.daemon.child_link import EngineDied, EngineRefused
-from loraplex.daemon.config import load_config
+from loraplex.daemon.config_load import load_config
 from loraplex.daemon.router import ROUTERS
 from loraplex.daemon.serving import ServingCore
 from loraplex.ipc.errors import ErrorCode

@@ -53,7 +53,7 @@ def _prompts(n: int, g: torch.Generator) -> list[list[int]]:
 # ---- the setting ---------------------------------------------------------------------------------
 def test_the_setting_and_its_refusals(tmp_path):
     from loraplex.cli import _SERVE_FLAGS
-    from loraplex.daemon.config import load_config
+    from loraplex.daemon.config_load import load_config
 
     assert EngineSpec().tensor_parallel_size == 1
     for bad in (0, -2):

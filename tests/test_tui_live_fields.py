@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 
 from bench.stub_engine import StubEngineLink
-from loraplex.daemon.config import load_config
+from loraplex.daemon.config_load import load_config
 from loraplex.daemon.serving import ServingCore
 from loraplex.ipc.protocol import GenerateRequest
 from loraplex.tui.summary import summary_lines
