@@ -33,12 +33,14 @@ import zmq.asyncio
 
 from loraplex.cpu_lora.calibration import cpu_model_name, split_rows
 from loraplex.cpu_lora.compute import lora_delta
-from loraplex.cpu_lora.loopback import Assignment, ExchangeDriver, HostStore
 from loraplex.cpu_lora.pool import CpuWorkerPool
 from loraplex.ipc.adapter_store import store_entry_layout
 from loraplex.ipc.exchange import STAGES, exchange_layout, llama_module_shapes
 from loraplex.ipc.protocol import CpuJobDone, CpuLoraJob
 from loraplex.ipc.shm import segment_name
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository root
+from bench.cpu_lora_loopback import Assignment, ExchangeDriver, HostStore  # noqa: E402
 
 TARGET_RATIO = 1.4
 SEGMENT_INSTANCE_PREFIX = "cpubench"  # segments are /lpx-cpubench<pid><random>-{exchange,store}

@@ -22,7 +22,7 @@ import pytest
 import torch
 import zmq.asyncio
 
-from loraplex.cpu_lora.loopback import Assignment, ExchangeDriver, HostStore
+from bench.cpu_lora_loopback import Assignment, ExchangeDriver, HostStore
 from loraplex.cpu_lora.pool import CpuWorkerError, CpuWorkerPool, default_worker_cores
 from loraplex.ipc.adapter_store import StoreEntry
 from loraplex.ipc.errors import ProtocolError

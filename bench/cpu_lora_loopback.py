@@ -3,8 +3,8 @@
 Owns a host adapter store that tests and benchmarks fill with random
 adapters, and an exchange driver that posts x rows, signals ready words and
 waits for done words exactly as gpu_engine/cpu_assist.py does on a CPU host.
-Lets the worker pool be exercised and measured on its own; never used on the
-serving path.
+Lets the worker pool be exercised and measured on its own (tests/test_cpu_lora_pool.py,
+bench/cpu_lora_compute.py); never used on the serving path, so it lives with the benches.
 """
 from __future__ import annotations
 
