@@ -1,5 +1,6 @@
-"""The control plane's shape, read from the source: no module in daemon/ is longer than 500
-lines, no function longer than 60, and no daemon class is assembled from mixins (the serving
+"""The control plane's shape, read from the source: no module in daemon/ is longer than 400
+lines, no function longer than 50 (issue 33's figures; the few still past them are listed, each
+with why), and no daemon class is assembled from mixins (the serving
 core owns collaborators with
 small interfaces instead of inheriting their methods and reaching into a shared `self`)."""
 from __future__ import annotations
@@ -8,11 +9,21 @@ import ast
 from pathlib import Path
 
 DAEMON = Path(__file__).resolve().parent.parent / "daemon"
-MAX_FUNCTION_LINES = 60
-MAX_MODULE_LINES = 500  # STYLE.md: 300 lines is normal, 500 is the signal to split
+MAX_FUNCTION_LINES = 50
+MAX_MODULE_LINES = 400  # STYLE.md: 300 lines is normal, 500 is the signal to split; issue 33 asks 400
 # Modules known to be past the limit, each with why it still is; a module leaves this list when
 # it is split, and nothing joins it without a reason here.
-OVERSIZED_MODULES: dict[str, str] = {}
+OVERSIZED_MODULES = {
+    "daemon/memory/adapter_residency.py": "residency, pinning, usage and eviction order of one pool: to split",
+    "daemon/registry.py": "the SQLite registry and its migrations: to split",
+    "daemon/config.py": "every setting's declaration with its help text (loading and TOML are apart)",
+    "daemon/scheduler/base.py": "the scheduling core, 16 lines over",
+    "daemon/child_link.py": "the child link and its warm spare: waits for the one supervisor",
+}
+LONG_FUNCTIONS = {
+    "daemon/sim/simulator.py:run": "the event loop of the simulator",
+    "daemon/sim/cli.py:run": "the simulator command's flags to SimConfig",
+}
 
 
 def _trees() -> dict[str, ast.Module]:
@@ -62,12 +73,15 @@ def _is_real_base(name: str, classes: dict[str, list[tuple[str, ast.ClassDef]]],
     return False
 
 
-def test_no_function_in_daemon_is_longer_than_60_lines() -> None:
-    long = [f"{path}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+def test_no_function_in_daemon_is_too_long() -> None:
+    long = {f"{path}:{node.name}": f"{path}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
             for path, tree in _trees().items() for node in ast.walk(tree)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
-    assert not long, "split these into named steps: " + "; ".join(long)
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES}
+    new = [where for key, where in long.items() if key not in LONG_FUNCTIONS]
+    assert not new, "split these into named steps: " + "; ".join(new)
+    still = [key for key in LONG_FUNCTIONS if key not in long]
+    assert not still, f"{still} no longer past the limit: take them off LONG_FUNCTIONS"
 
 
 def _oversized(paths_and_lines: dict[str, int]) -> list[str]:
@@ -75,7 +89,7 @@ def _oversized(paths_and_lines: dict[str, int]) -> list[str]:
             if n > MAX_MODULE_LINES and path not in OVERSIZED_MODULES]
 
 
-def test_no_module_in_daemon_is_longer_than_500_lines() -> None:
+def test_no_module_in_daemon_is_too_long() -> None:
     lines = {str(p.relative_to(DAEMON.parent)): len(p.read_text().splitlines()) for p in DAEMON.rglob("*.py")}
     assert not _oversized(lines), "split these into owned collaborators: " + "; ".join(_oversized(lines))
     still = [path for path in OVERSIZED_MODULES if lines.get(path, 0) <= MAX_MODULE_LINES]
@@ -107,7 +121,7 @@ def test_the_checks_can_fail() -> None:
     """The rules above are not vacuous: they catch a mixin assembly, a long function and a long module."""
     sample = ast.parse("class Needs:\n    def go(self):\n        return self.x\n\n"
                        "class Host(Needs, object):\n    pass\n\n"
-                       "def long():\n" + "    x = 1\n" * 61)
+                       "def long():\n" + "    x = 1\n" * (MAX_FUNCTION_LINES + 1))
     classes = {n.name: [("sample", n)] for n in sample.body if isinstance(n, ast.ClassDef)}
     host = classes["Host"][0][1]
     assert [b for b in _base_names(host) if b in classes] == ["Needs"]
@@ -115,4 +129,4 @@ def test_the_checks_can_fail() -> None:
     func = next(n for n in sample.body if isinstance(n, ast.FunctionDef))
     assert func.end_lineno - func.lineno + 1 > MAX_FUNCTION_LINES
     assert _oversized({"daemon/x.py": MAX_MODULE_LINES + 1,
-                       "daemon/y.py": MAX_MODULE_LINES}) == ["daemon/x.py (501 lines)"]
+                       "daemon/y.py": MAX_MODULE_LINES}) == [f"daemon/x.py ({MAX_MODULE_LINES + 1} lines)"]
