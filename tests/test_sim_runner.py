@@ -163,3 +163,14 @@ def test_quick_wants_a_scenario(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["sim", "--quick"]) == 2
     assert "loraplex sim: error: --quick scales down a --scenario" in capsys.readouterr().err
     assert cli_main(["sim", "--scenario", "dlora", "--jobs", "0"]) == 2
+
+
+def test_overlap_applies_to_every_variant_of_a_scenario(capsys: pytest.CaptureFixture[str]) -> None:
+    """--no-overlap / --overlap set scheduler.overlap's twin in every variant; planning ahead shifts
+    admissions by a step on this trace, so the two give other TTFTs (the default is --overlap)."""
+    rows = {}
+    for flag in ("--overlap", "--no-overlap", None):
+        args = ["sim", "--scenario", "dlora", "--quick", "--jobs", "1", "--json"] + ([flag] if flag else [])
+        assert cli_main(args) == 0
+        rows[flag] = {r["label"]: r["mean_ttft_ms"] for r in json.loads(capsys.readouterr().out)}
+    assert rows[None] == rows["--overlap"] != rows["--no-overlap"]

@@ -89,6 +89,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=d.num_engines)
     p.add_argument("--ttft-slo-ms", type=float, default=d.ttft_slo_ms)
     p.add_argument("--tpt-slo-ms", type=float, default=d.tpt_slo_ms)
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"plan each step while the one before runs, as scheduler.overlap (default {d.overlap}); "
+                        "applies to every variant of a --scenario too")
     add_workload_args(p)
 
 
@@ -98,14 +101,18 @@ def _scenario(args: argparse.Namespace) -> Scenario:
     if args.quick:
         scenario = scenario.quick_preset()
     profile = SimProfile.load(args.profile) if args.profile else scenario.profile
+    variants = scenario.variants
+    if args.overlap is not None:
+        variants = tuple((label, dataclasses.replace(config, overlap=args.overlap)) for label, config in variants)
     return dataclasses.replace(scenario, workload=workload_from_args(args, scenario.workload),
-                               profile=profile.override(args.profile_set))
+                               profile=profile.override(args.profile_set), variants=variants)
 
 
 def _custom(args: argparse.Namespace) -> Scenario:
     workload = workload_from_args(args)
     config = SimConfig(policy=args.policy, cache_policy=args.cache_policy, mode=args.mode, router=args.router,
-                       num_engines=args.engines, ttft_slo_ms=args.ttft_slo_ms, tpt_slo_ms=args.tpt_slo_ms)
+                       num_engines=args.engines, ttft_slo_ms=args.ttft_slo_ms, tpt_slo_ms=args.tpt_slo_ms,
+                       overlap=SimConfig().overlap if args.overlap is None else args.overlap)
     profile = (SimProfile.load(args.profile) if args.profile else SimProfile()).override(args.profile_set)
     variants: tuple[tuple[str, SimConfig], ...] = ((config.policy, config),)
     if args.compare:
