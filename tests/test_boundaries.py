@@ -21,13 +21,15 @@ PACKAGE_OF = {"gpu_engine": "loraplex.gpu_engine", "cpu_lora": "loraplex.cpu_lor
               "gateway": "loraplex.gateway", "cluster": "loraplex.cluster", "loraplex": "loraplex"}
 
 
-def module_imports(path: Path) -> set[str]:
+def module_imports(path: Path, *, top_level: bool = False) -> set[str]:
     """Every module `path` imports, anywhere in the file (also inside functions), by absolute name;
-    `from X import name` counts as X and X.name, so a submodule imported by name is seen."""
+    `from X import name` counts as X and X.name, so a submodule imported by name is seen.
+    top_level: only its module-level import statements (what runs when it is imported)."""
     rel = path.relative_to(ROOT).with_suffix("")
     package = ".".join([PACKAGE_OF[rel.parts[0]], *rel.parts[1:-1]])
+    tree = ast.parse(path.read_text(), str(path))
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in tree.body if top_level else ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -114,21 +116,7 @@ def test_the_offline_api_is_reached_from_the_root() -> None:
 def _top_level_imports(path: Path, modules: set[str]) -> set[str]:
     """The project modules `path` imports when it is imported: its module-level import statements
     (imports inside functions run later, and are how a deliberate back-reference is written)."""
-    rel = path.relative_to(ROOT).with_suffix("")
-    package = ".".join([PACKAGE_OF[rel.parts[0]], *rel.parts[1:-1]])
-    found: set[str] = set()
-    for node in ast.parse(path.read_text(), str(path)).body:
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parts = parts[: len(parts) - (node.level - 1)]
-                base = ".".join(parts + ([base] if base else []))
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
-    return found & modules
+    return module_imports(path, top_level=True) & modules
 
 
 def import_cycles() -> list[list[str]]:
