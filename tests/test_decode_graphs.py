@@ -45,8 +45,10 @@ def model(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
 def _llm(model, backend: str, *, pad_eager: bool, **kwargs) -> LLM:
     model_dir, adapters = model
     # float32 (on CUDA the default is bfloat16): padded and unpadded steps within forward_tolerance
+    # Triton on a GPU host runs compiled on CUDA: its interpreter is off there, so CPU tensors cannot reach it.
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     llm = LLM(model_dir, lora_backend=backend, page_tokens=PAGE_TOKENS, num_pages=NUM_PAGES, max_num_seqs=8,
-              max_lora_rank=32, dtype="float32", **kwargs)
+              max_lora_rank=32, dtype="float32", device=device, **kwargs)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     if pad_eager:

@@ -28,6 +28,8 @@ from loraplex.gpu_engine.model.config import ModelConfig  # noqa: E402
 from tests.hf_reference import greedy  # noqa: E402
 from tests.tolerances import forward_tolerance  # noqa: E402
 
+# Triton runs compiled on a GPU host (where the interpreter is off), interpreted on CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEW_TOKENS = 8
 ADAPTERS = {"r4": (4, ["q_proj", "v_proj"]), "r8": (8, ["k_proj", "o_proj", "down_proj"]),
             "r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])}
@@ -48,7 +50,7 @@ def write_model(root: Path, config: dict) -> tuple[Path, dict[str, Path]]:
 
 def generate(model_dir: Path, adapters: dict[str, Path], backend: str, prompts: list[list[int]]):
     # float32: the references are float32 (on CUDA the default would be bfloat16)
-    llm = LLM(model_dir, lora_backend=backend, page_tokens=4, num_pages=96, dtype="float32")
+    llm = LLM(model_dir, lora_backend=backend, page_tokens=4, num_pages=96, dtype="float32", device=DEVICE)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)

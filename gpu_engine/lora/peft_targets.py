@@ -165,7 +165,7 @@ class _Matcher:
 
 
 def _patterns(label: str, raw: dict, field: str, integer: bool) -> list[tuple[re.Pattern[str], float]]:
-    """rank_pattern / alpha_pattern compiled as peft's get_pattern_key matches them: pattern p
+    r"""rank_pattern / alpha_pattern compiled as peft's get_pattern_key matches them: pattern p
     applies to module path k when re.match(rf"(.*\.)?({p})$", k); the first that matches wins."""
     patterns = raw.get(field) or {}
     if not isinstance(patterns, dict) or len(patterns) > MAX_NAMES:
