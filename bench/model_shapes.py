@@ -1,5 +1,6 @@
 """Model shapes the benchmarks build with random weights (nothing downloaded):
-`tiny` for smoke runs anywhere, Llama-2-7B and Llama-3-8B (GQA) dimensions for
+`tiny` for smoke runs anywhere, `cpu` for CPU figures where the model's compute
+must dominate a step, Llama-2-7B and Llama-3-8B (GQA) dimensions for
 GPU figures. `write_model_dir` writes a config.json-only model directory that an
 engine serves with `load_format = "dummy"`.
 """
@@ -18,6 +19,9 @@ from loraplex.gpu_engine.runtime import DTYPES
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512),
+    # ~160M parameters: big enough that the model's compute, not Python, fills a step on a 2-core CPU
+    "cpu": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                num_key_value_heads=8, head_dim=64, vocab_size=32000),
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=32, head_dim=128, vocab_size=32000),
     # Llama-3-8B: grouped-query attention (8 KV heads), wider MLP, 128k vocabulary

@@ -387,7 +387,8 @@ class ChildLink:
                 "device": hello.get("device"), "num_pages": hello.get("num_pages"),
                 "tensor_parallel_size": hello.get("tensor_parallel_size"), "rank_pids": hello.get("rank_pids"),
                 "spare_pid": self.spare_pid, "spare_ready": self.spare_ready, "spare_handoffs": self.spare_handoffs,
-                "cuda_graphs": hello.get("cuda_graphs"), "graph_buckets": hello.get("graph_buckets")}
+                "cuda_graphs": hello.get("cuda_graphs"), "graph_buckets": hello.get("graph_buckets"),
+                "cpu_threads": hello.get("cpu_threads")}
 
 
 def _child_env() -> dict[str, str]:

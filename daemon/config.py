@@ -109,6 +109,12 @@ class ModelSettings:
         "Replay decode steps of up to scheduler.max_num_seqs rows as captured CUDA graphs (on CUDA with the "
         "triton LoRA backend; elsewhere decode runs eagerly)."))
 
+    cpu_threads: int | None = field(default=_ENGINE.cpu_threads, metadata=_help(
+        "Torch threads of each engine process (each rank under tensor parallelism); unset = auto: the "
+        "process's share of the cores it may run on, less one left to the daemon and its neighbours "
+        "(at least 1). Threads are not pinned, so the OS moves them off a core another process takes.",
+        "4"))
+
     def __post_init__(self) -> None:
         checks = Checks(self, "model.")
         checks.types()

@@ -7,6 +7,7 @@ same knobs the same way.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,24 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_POOL_BYTES = 512 << 20
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a cgroup or `taskset` narrows)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def auto_cpu_threads(cores: int, ranks: int) -> int:
+    """Torch threads of one engine process by default: its share of `cores` (ranks of one engine
+    share the host), less one core left to the daemon's process and to neighbours. Why: torch's
+    parallel regions wait for their slowest thread, so one thread on a core that another process
+    takes stalls every op of the step (2-7x slower steps on a 2-core host beside one busy process,
+    bench/RESULTS.md "Engine threads beside a busy core"); fewer threads than cores let the OS run
+    them all on the cores that are free."""
+    share = max(1, cores // max(1, ranks))
+    return max(1, share - 1)
 
 
 def resolve_spec(spec: EngineSpec, rank: int = 0) -> EngineSpec:
@@ -58,8 +77,9 @@ def resolve_spec(spec: EngineSpec, rank: int = 0) -> EngineSpec:
         from loraplex.gpu_engine.demo import builtin_demo
 
         model = str(builtin_demo().model_dir)
+    threads = spec.cpu_threads or auto_cpu_threads(usable_cores(), ranks)
     return dataclasses.replace(spec, model=model, device=device, dtype=dtype, lora_backend=backend,
-                               adapter_load_mode=mode)
+                               adapter_load_mode=mode, cpu_threads=threads)
 
 
 def model_split(config: ModelConfig, comm=None, *, assisted: bool = False) -> ModelSplit:
@@ -92,6 +112,7 @@ def build_runtime(spec: EngineSpec, *, max_num_seqs: int | None = None, link: Ra
     over spec.tensor_parallel_size ranks (gpu_engine/tp/group.py); the executor then holds its shard."""
     comm = link.comm if link is not None else None
     spec = resolve_spec(spec, comm.rank if comm is not None else 0)
+    torch.set_num_threads(spec.cpu_threads)  # process-wide: the offline LLM passes the caller's own count
     model_dir = Path(spec.model or "")
     device, dtype = torch.device(spec.device), DTYPES[spec.dtype]
     config = ModelConfig.from_dir(model_dir)

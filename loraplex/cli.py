@@ -125,6 +125,7 @@ _SERVE_FLAGS = (
     ("--max-lora-rank", "model.max_lora_rank", int, "largest adapter rank accepted"),
     ("--tensor-parallel-size", "model.tensor_parallel_size", int, "rank processes (devices) one engine spans"),
     ("--num-pages", "model.num_pages", int, "unified pool size in pages"),
+    ("--cpu-threads", "model.cpu_threads", int, "torch threads per engine process (default: auto, cores - 1)"),
     ("--adapter-load-mode", "model.adapter_load_mode", str, "auto, cached, on_demand or cpu_assist"),
     ("--cpu-workers", "server.cpu_workers", int, "CPU LoRA worker processes (cpu_assist)"),
     ("--host-store-bytes", "model.host_store_bytes", int, "host adapter store size (the cache manager's)"),

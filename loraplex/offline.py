@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Mapping
 from typing import Sequence as Seq
 
+import torch
+
 from loraplex.contracts.engine_spec import DEFAULT_MAX_NUM_SEQS, EngineSpec
 from loraplex.contracts.names import NAME_RULE, is_valid_name
 from loraplex.daemon.memory.allocator import PageAllocator
@@ -113,13 +115,16 @@ class LLM:
                  max_batched_tokens: int = 2048, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.9, load_groups: int = 1,
                  load_throttle_bytes_s: float | None = None, cuda_graphs: bool = True,
-                 admit_when_loaded: bool = False, load_format: str = "safetensors") -> None:
+                 admit_when_loaded: bool = False, load_format: str = "safetensors",
+                 cpu_threads: int | None = None) -> None:
         runtime = build_runtime(EngineSpec(
             model=None if model is None else str(model), load_format=load_format, device=device, dtype=dtype,
             max_lora_rank=max_lora_rank,
             lora_backend=lora_backend, num_pages=num_pages, pool_bytes=pool_bytes, page_tokens=page_tokens,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             load_throttle_bytes_s=load_throttle_bytes_s, cuda_graphs=cuda_graphs,
+            # torch's thread count is the whole process's: an in-process engine keeps the caller's unless told
+            cpu_threads=cpu_threads or torch.get_num_threads(),
         ), max_num_seqs=max_num_seqs)
         self.model_dir = runtime.model_dir
         self.device = runtime.executor.device

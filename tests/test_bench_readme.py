@@ -31,12 +31,14 @@ CHEAP = {  # a few seconds each on 2 busy cores
     "bench/prefix_cache.py --quick --json",
     "bench/tp_comm.py --tp 2 --measure-tp 0",
     "bench/family_step_time.py --families llama gemma2 --batch 2 --max-tokens 4 --rounds 1 --json",
+    "bench/engine_threads.py --shape tiny --rounds 1 --max-tokens 4 --json",
 }
 SLOW = {  # full-size runs: minutes
     "bench/cache_policies.py --json",  # 33 s on 2 busy cores; tests/test_bench_cache.py runs it smaller
     "bench/daemon_overhead.py --json",
     "bench/daemon_overhead.py --json --stub-only --stub-step-ms 5 20 --batch 1 64 256 --context 2048",
     "bench/engine_throughput.py --json",
+    "bench/engine_threads.py --json",  # ~4 min at the cpu shape
     "bench/engine_throughput.py --adapters none --json",
     "bench/cache_live.py --json",
     "bench/cache_live.py --json --rounds 2",

@@ -46,6 +46,19 @@ def is_waste(x: Any) -> bool:
     return isinstance(x, float) and 0.0 <= x < 1.0
 
 
+def test_engine_threads_json(cache: Path) -> None:
+    report = run_json("engine_threads.py", ["--shape", "tiny", "--threads", "1", "auto", "2", "--rounds", "1",
+                                            "--max-tokens", "2", "--batch", "2"], cache)
+    assert report["shape"] == "tiny" and positive(report["cores"]) and report["hogs"] == 1
+    assert [r["threads"] for r in report["rows"]] == ["1", "auto", "2"]
+    assert [r["count"] for r in report["rows"]][::2] == [1, 2]
+    for row in report["rows"]:
+        assert positive(row["quiet_tok_s"]) and positive(row["busy_tok_s"])
+        assert len(row["quiet_runs"]) == len(row["busy_runs"]) == 1
+        assert row["busy_over_quiet"] == pytest.approx(row["busy_tok_s"] / row["quiet_tok_s"], rel=0.01)
+    assert max(r["quiet_over_best"] for r in report["rows"]) == 1.0
+
+
 @pytest.mark.parametrize("mode", ["mixed", "none"])
 def test_engine_throughput_json(cache: Path, mode: str) -> None:
     report = run_json("engine_throughput.py",

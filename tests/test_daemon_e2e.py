@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from loraplex import LLM, SamplingParams
+from loraplex.gpu_engine.runtime import auto_cpu_threads, usable_cores
 from loraplex.ipc.client import AdminClient, AsyncClient, LoraplexError
 from loraplex.ipc.protocol import GenerateRequest
 from loraplex.ipc.sockets import make_dealer
@@ -241,6 +242,7 @@ def test_engine_killed_mid_stream_is_recomputed_without_loss_or_duplicates(daemo
         engine = client.stats()["engine"]
         pid = engine["pid"]
         assert engine["cuda_graphs"] is False and engine["graph_buckets"] == []  # CPU: decode runs eagerly
+        assert engine["cpu_threads"] == auto_cpu_threads(usable_cores(), 1)  # model.cpu_threads unset: auto
         stream = client.stream([4, 5, 6], max_tokens=40, ignore_eos=True, temperature=0.9, seed=77, timeout=120)
         chunks = []
         for chunk in stream:

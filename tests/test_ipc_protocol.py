@@ -100,7 +100,7 @@ SAMPLES: list[Message] = [
                 eos_token_ids=[2], bos_token_id=1, lora_backend="triton", demo_adapters={"a": "/d/a"},
                 load_mode="cpu_assist", link_bytes_per_s=2.5e10, store_segment="/lpx-0123456789ab-store",
                 exchange=_EXCHANGE, cuda_graphs=True, graph_buckets=[1, 2, 4], graph_reason="n/a",
-                tensor_parallel_size=2, rank_pids=[4243], kv_window=4096),
+                tensor_parallel_size=2, cpu_threads=7, rank_pids=[4243], kv_window=4096),
     EngineLoadAdapter(name="sql", path="/adapters/sql", store_segment="/lpx-0123456789ab-store-g1", store_entry=_ENTRY,
                       keep_resident=True),
     CacheHello(pid=43, store_segment="/lpx-0123456789ab-store-g1", capacity_bytes=1 << 20, dtype="bfloat16",

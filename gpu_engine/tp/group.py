@@ -93,8 +93,7 @@ def join(rank: int, world_size: int, store: dist.Store, device: str) -> RankLink
         backend = "nccl"
         torch.cuda.set_device(torch.device(device))
     else:
-        backend = "gloo"
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # N ranks share the host's cores
+        backend = "gloo"  # each rank's torch threads: build_runtime (model.cpu_threads, its share when auto)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=MODEL_TIMEOUT_S))
     comm = TpComm(rank, world_size, dist.group.WORLD)

@@ -47,6 +47,7 @@ class EngineHello(Message):
     graph_buckets: list[int] = field(default_factory=list)  # their batch sizes
     graph_reason: str = ""  # why decode steps run eagerly ("" when graphs are on)
     tensor_parallel_size: int = 1  # rank processes the model is split over (rank 0 sent this hello)
+    cpu_threads: int = 0  # torch threads of each engine process (model.cpu_threads, resolved)
     rank_pids: list[int] = field(default_factory=list)  # the other ranks' processes (rank 1, 2, ...)
     # The sliding window (tokens) every attention layer shares; None where some layer sees its whole
     # context. The daemon gives pages wholly out of it back to the pool (SchedulerConfig.kv_window).

@@ -53,7 +53,7 @@ def check_engine_settings(checks: Checks) -> None:
     checks.choice("dtype", DTYPES)
     checks.choice("lora_backend", LORA_BACKENDS)
     checks.positive("max_lora_rank")
-    for name in ("max_model_len", "page_tokens", "num_pages", "pool_bytes"):
+    for name in ("max_model_len", "page_tokens", "num_pages", "pool_bytes", "cpu_threads"):
         checks.positive(name, optional=True)
     if values.num_pages is not None and values.pool_bytes is not None:
         checks.fail("pool_bytes", f"{checks.key('num_pages')} and {checks.key('pool_bytes')} both size the pool; "
@@ -91,6 +91,7 @@ class EngineSpec:
     exchange_max_tokens: int = 2048  # most prefill tokens per step CPU workers can take (cpu_assist)
     load_throttle_bytes_s: float | None = None  # test-only: cap the host -> pool adapter copy rate
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (on CUDA with lora_backend=triton)
+    cpu_threads: int | None = None  # torch threads of each engine process; None: auto (resolve_spec)
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # the largest decode batch: the largest graph bucket
     adapter_dirs: tuple[str, ...] = ()  # every adapter file must resolve inside one (empty: anywhere)
     shm_instance: str | None = None  # names the daemon's shared-memory segments
