@@ -56,6 +56,8 @@ SLOW = {  # full-size runs: minutes
     "bench/adapter_census.py --json",  # ~3-5 min; tests/test_adapter_census.py runs 4 rows
     "bench/adapter_census.py --only qwen2 --limit 5",
     "bench/family_step_time.py --json",
+    "bench/peers.py --systems loraplex peft --shape tiny --adapters 2 --requests 4 --rate 4 --max-tokens 4"
+    " --prompt-len 8 --json",  # ~1-2 min: a daemon, a gateway and PEFT
 }
 ELSEWHERE = {  # a GPU, results of a GPU run, or a library installed by hand are needed
     "bench/grammar_mask.py --json",  # llguidance, the library xgrammar is compared with
@@ -63,6 +65,8 @@ ELSEWHERE = {  # a GPU, results of a GPU run, or a library installed by hand are
     "bench/kernels.py --json",
     "bench/engine_throughput.py --device cuda --dtype bfloat16 --batch 1 16 64 --json",
     "bench/gpu_report.py bench/results/gpu",
+    "bench/peers.py --setup",  # installs vLLM's CPU build from the package index (minutes)
+    "bench/peers.py --quick --json",  # needs that venv
 }
 
 
