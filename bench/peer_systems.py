@@ -111,9 +111,10 @@ def wait_ready(served: Served, timeout_s: float) -> None:
 
 
 def start_loraplex(work: Path, model_dir: Path, adapters: dict[str, Path], *, cores: str, max_rank: int,
-                   timeout_s: float) -> Served:
+                   timeout_s: float, settings: list[str] = ()) -> Served:
     """The daemon (every adapter registered at start) and the gateway, both pinned to `cores`;
-    model.cpu_threads left at auto (the engine's share of those cores less one)."""
+    model.cpu_threads left at auto (the engine's share of those cores less one) unless
+    `settings` (SECTION.KEY=VALUE, given to the daemon as LORAPLEX_SECTION_KEY) say otherwise."""
     run = work / "loraplex"
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
@@ -124,9 +125,11 @@ def start_loraplex(work: Path, model_dir: Path, adapters: dict[str, Path], *, co
                            "--max-lora-rank", str(max_rank), *flags])
     gateway = pinned(cores, [sys.executable, "-m", "loraplex.cli", "gateway", "--port", str(port),
                              "--runtime-dir", str(run / "rt"), "--served-model-name", BASE_MODEL])
+    chosen = dict(s.split("=", 1) for s in settings)
     served = Served("loraplex", f"http://127.0.0.1:{port}/v1/completions",
-                    settings={"max_lora_rank": max_rank, "cpu_threads": "auto", "cores": cores})
+                    settings={"max_lora_rank": max_rank, "model.cpu_threads": "auto", "cores": cores, **chosen})
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+    env.update({"LORAPLEX_" + key.replace(".", "_").upper(): value for key, value in chosen.items()})
     for i, argv in enumerate((serve, gateway)):
         log = run / f"proc{i}.log"
         served.logs.append(log)

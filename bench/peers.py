@@ -81,6 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-base", action="store_true", help="skip the base-model runs")
     p.add_argument("--hog", action="store_true",
                    help="a process spinning on the first of --cores while each system serves (a noisy neighbour)")
+    p.add_argument("--loraplex-setting", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a loraplex setting for this run (as LORAPLEX_SECTION_KEY), e.g. scheduler.overlap=false")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
@@ -90,6 +92,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.adapters, args.requests, args.rate = 8, 24, 1.0
+    for setting in args.loraplex_setting:
+        key, eq, _ = setting.partition("=")
+        if not eq or key.count(".") != 1:
+            p.error(f"--loraplex-setting: {setting!r} is not SECTION.KEY=VALUE")
     if args.ranks != "mixed" and not (args.ranks.isdigit() and int(args.ranks) > 0):
         p.error("--ranks must be a positive integer or mixed")
     if min(args.adapters, args.requests, args.prompt_len, args.max_tokens) < 1 or args.rate <= 0:
@@ -193,7 +199,7 @@ def run_system(name: str, kind: str, args: argparse.Namespace, work: Path, model
             return run_peft(work, model_dir, used, workload, args.cores, kind, args.hog)
         if name == "loraplex":
             served = start_loraplex(work, model_dir, used, cores=args.cores, max_rank=max_rank,
-                                    timeout_s=args.start_timeout)
+                                    timeout_s=args.start_timeout, settings=args.loraplex_setting)
         else:
             served = start_vllm(work, args.venvs / "vllm", model_dir, used, cores=args.cores, max_rank=max_rank,
                                 kv_cache_gib=2, timeout_s=args.start_timeout)

@@ -123,3 +123,34 @@ def test_texts_are_compared_with_peft_and_ratios_taken_against_loraplex():
     assert r["loraplex_adapters_over_peft_adapters"] == 6.0
     assert r["vllm_slowdown_adapters"] == 4.0 and r["loraplex_slowdown_adapters"] == 1.1
     assert "peft_slowdown_adapters" not in r, "no base run: no slowdown"
+
+
+def test_loraplex_settings_reach_the_daemon_as_environment(monkeypatch, tmp_path):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import peer_systems
+        import peers
+    finally:
+        sys.path.remove(str(BENCH))
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--loraplex-setting", "overlap=false"])  # no section
+    args = peers.parse_args(["--loraplex-setting", "scheduler.overlap=false"])
+    assert args.loraplex_setting == ["scheduler.overlap=false"]
+    started = []
+
+    class Proc:
+        def __init__(self, argv, env, **kwargs):
+            started.append((argv, env))
+
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(peer_systems.subprocess, "Popen", Proc)
+    monkeypatch.setattr(peer_systems, "wait_ready", lambda served, timeout_s: None)
+    monkeypatch.setenv("LORAPLEX_MODEL_NUM_PAGES", "7")  # the caller's own settings never leak in
+    served = peer_systems.start_loraplex(tmp_path, tmp_path / "m", {}, cores="0", max_rank=8, timeout_s=1,
+                                         settings=["scheduler.overlap=false"])
+    assert served.settings["scheduler.overlap"] == "false"
+    serve_env = started[0][1]
+    assert serve_env["LORAPLEX_SCHEDULER_OVERLAP"] == "false" and "LORAPLEX_MODEL_NUM_PAGES" not in serve_env
+    assert started[0][0][:3] == ["taskset", "-c", "0"]
