@@ -19,22 +19,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from hogs import Hogs
 from model_shapes import SHAPES, shape_config, write_model_dir
 
 from loraplex import LLM, SamplingParams
+from loraplex.contracts.host import usable_cores
 from loraplex.gpu_engine.demo import write_random_adapter
-from loraplex.gpu_engine.runtime import auto_cpu_threads, usable_cores
+from loraplex.gpu_engine.runtime import auto_cpu_threads
 
 RANKS = (8, 16, 32, 64)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-HOG = "while True: pass"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,24 +59,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def thread_count(name: str, cores: int) -> int:
     return {"auto": auto_cpu_threads(cores, 1), "all": cores}.get(name) or int(name)
-
-
-class Hogs:
-    """`n` processes spinning on the CPU while the block runs."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.procs: list[subprocess.Popen] = []
-
-    def __enter__(self) -> Hogs:
-        self.procs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(self.n)]
-        time.sleep(0.5)  # let the scheduler place them
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.wait()
 
 
 def build(root: Path, shape: str) -> tuple[LLM, list[str]]:

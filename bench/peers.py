@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine_throughput import device_name
+from hogs import Hogs
 from model_shapes import SHAPES, shape_config
 from peer_systems import (
     BASE_MODEL,
@@ -135,23 +137,9 @@ def warm_up_workload(workload: list[PeerRequest]) -> list[PeerRequest]:
     return [PeerRequest(i, 0.0, prompt, 4, name) for i, name in enumerate(names)]
 
 
-class Hog:
-    """A process spinning on the first of `cores` while the block runs (None: no hog)."""
-
-    def __init__(self, cores: str | None) -> None:
-        self.cores = cores
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> Hog:
-        if self.cores is not None:
-            first = self.cores.split(",")[0].split("-")[0]
-            self.proc = subprocess.Popen(pinned(first, [sys.executable, "-c", "while True: pass"]))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
+def first_core(cores: str) -> str:
+    """The first core of a taskset list ("0-1,4" -> "0"): where --hog spins."""
+    return cores.split(",")[0].split("-")[0]
 
 
 def serve_and_drive(served: Served, workload: list[PeerRequest], timeout_s: float, hog: bool) -> dict[str, Any]:
@@ -161,7 +149,7 @@ def serve_and_drive(served: Served, workload: list[PeerRequest], timeout_s: floa
         warm_s = time.perf_counter() - start
         if not all(r.ok for r in warm):
             raise PeerUnavailable(f"{served.name} failed its warm-up: {[r.error for r in warm if not r.ok][:3]}")
-        with Hog(served.settings["cores"] if hog else None):
+        with Hogs(int(hog), core=first_core(served.settings["cores"])):
             results, elapsed = asyncio.run(drive(served.url, BASE_MODEL, workload, timeout_s=timeout_s))
     finally:
         served.stop()
@@ -179,7 +167,7 @@ def run_peft(work: Path, model_dir: Path, adapters: dict[str, Path], workload, c
                           "--adapters", str(work / f"peft-{tag}-adapters.json"),
                           "--workload", str(work / f"peft-{tag}-workload.json"), "--out", str(out),
                           "--threads", str(threads)])
-    with Hog(cores if hog else None):
+    with Hogs(int(hog), core=first_core(cores)):
         proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise PeerUnavailable(f"peft exited {proc.returncode}: {proc.stderr[-1500:]}")
@@ -240,9 +228,7 @@ def ratios(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version()}
+    return {"cpu": device_name("cpu"), "cores": os.cpu_count(), "python": platform.python_version()}
 
 
 def main(argv: list[str] | None = None) -> int:

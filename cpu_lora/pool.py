@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import zmq.asyncio
 
+from loraplex.contracts.host import allowed_cores
 from loraplex.cpu_lora.process import SINGLE_THREAD_ENV, worker_role
 from loraplex.ipc.errors import ProtocolError
 from loraplex.ipc.heartbeat import HEARTBEAT_FD_FLAG, HeartbeatWatch
@@ -67,7 +68,7 @@ def default_worker_cores(num_workers: int | None = None, reserved_cores: Sequenc
     """The core of each worker: this process's allowed cores minus the reserved ones
     (default: the first two when four or more are allowed), one worker per core,
     at least MIN_WORKERS (cores are reused round-robin when there are fewer)."""
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    allowed = allowed_cores()
     if reserved_cores is None:
         reserved_cores = allowed[:RESERVED_CORES] if len(allowed) >= RESERVE_FROM_CORES else []
     free = [c for c in allowed if c not in set(reserved_cores)] or allowed

@@ -121,7 +121,7 @@ def hello_for(runtime: EngineRuntime, demo_adapters: dict[str, str],
         store_segment=(resources.store.name if resources.store else runtime.spec.host_store_segment)
         if resources else "",
         exchange=resources.assist.layout if resources else None,
-        tensor_parallel_size=runtime.executor.split.world_size, cpu_threads=runtime.spec.cpu_threads or 0,
+        tensor_parallel_size=runtime.executor.split.world_size, cpu_threads=runtime.spec.cpu_threads,
         rank_pids=group.pids if group is not None else [],
         kv_window=kv_window(cfg.layer_windows), **runtime.executor.graph_info.as_dict(),
     )

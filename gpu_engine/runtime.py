@@ -7,7 +7,6 @@ same knobs the same way.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +15,7 @@ import torch
 
 from loraplex.contracts.engine_spec import EngineSpec, LoadMode
 from loraplex.contracts.geometry import PageGeometry
+from loraplex.contracts.host import usable_cores
 from loraplex.contracts.settings import ConfigError
 from loraplex.gpu_engine.executor import Executor
 from loraplex.gpu_engine.model.config import ModelConfig
@@ -28,13 +28,6 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_POOL_BYTES = 512 << 20
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask, which a cgroup or `taskset` narrows)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
 
 
 def auto_cpu_threads(cores: int, ranks: int) -> int:

@@ -14,7 +14,8 @@ import torch
 import zmq
 
 from loraplex import LLM, SamplingParams
-from loraplex.gpu_engine.runtime import auto_cpu_threads, usable_cores
+from loraplex.contracts.host import usable_cores
+from loraplex.gpu_engine.runtime import auto_cpu_threads
 from loraplex.ipc.client import AdminClient, AsyncClient, LoraplexError
 from loraplex.ipc.protocol import GenerateRequest
 from loraplex.ipc.sockets import make_dealer

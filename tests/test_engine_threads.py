@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loraplex.contracts import host
 from loraplex.contracts.engine_spec import EngineSpec
 from loraplex.contracts.settings import ConfigError
 from loraplex.daemon.config_load import load_config
@@ -25,12 +26,14 @@ def test_resolve_spec_fills_auto_and_keeps_a_set_count(monkeypatch):
     assert runtime.resolve_spec(EngineSpec(model="/m", device="cpu", cpu_threads=5)).cpu_threads == 5
 
 
-def test_usable_cores_is_the_affinity_mask():
-    import os
-
-    if not hasattr(os, "sched_getaffinity"):
-        pytest.skip("no affinity masks here")
-    assert runtime.usable_cores() == len(os.sched_getaffinity(0))
+def test_usable_cores_is_the_affinity_mask(monkeypatch):
+    monkeypatch.setattr(host.os, "sched_getaffinity", lambda pid: {5, 0, 3}, raising=False)
+    assert host.allowed_cores() == [0, 3, 5] and host.usable_cores() == 3
+    monkeypatch.delattr(host.os, "sched_getaffinity", raising=False)  # not Linux: every core the OS reports
+    monkeypatch.setattr(host.os, "cpu_count", lambda: 4)
+    assert host.allowed_cores() == [0, 1, 2, 3] and host.usable_cores() == 4
+    monkeypatch.setattr(host.os, "cpu_count", lambda: None)
+    assert host.usable_cores() == 1
 
 
 @pytest.mark.parametrize("bad", [0, -2])

@@ -14,6 +14,7 @@ import selectors
 import signal
 from dataclasses import dataclass
 
+from loraplex.contracts.host import usable_cores
 from loraplex.daemon.sim.metrics import summarize
 from loraplex.daemon.sim.profile import SimProfile
 from loraplex.daemon.sim.progress import Progress
@@ -40,10 +41,7 @@ class RunOutcome:
 
 def default_workers() -> int:
     """The CPU cores this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+    return usable_cores()
 
 
 def run_all(runs: list[SimRun], *, workers: int = 1, progress: Progress | None = None, first: int = 0,
