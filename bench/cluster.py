@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 
 from cache_live import adapter_pages, pool_size, write_adapters
 
+from loraplex.contracts.host import free_loopback_port
 from loraplex.daemon.sim.metrics import pct
 from loraplex.daemon.sim.workload import WorkloadSpec, generate
 
@@ -47,11 +47,6 @@ def _log(msg: str) -> None:
     print(f"[cluster] {msg}", file=sys.stderr, flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _get(url: str, timeout: float = 10.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -61,7 +56,7 @@ def _get(url: str, timeout: float = 10.0) -> bytes:
 class ClusterProcess:
     def __init__(self, home: Path, router: str, replicas: int, source: Path, daemon_args: list[str],
                  router_slo_ms: float | None = None) -> None:
-        self.port = _free_port()
+        self.port = free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = home / "cluster.log"
         argv = [sys.executable, "-m", "loraplex.cli", "cluster", "serve", "--replicas", str(replicas),

@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
+from loraplex.contracts.host import free_loopback_port  # noqa: E402
 from loraplex.gateway.chat_template import ChatTemplate  # noqa: E402
 from tests.daemon_process import DaemonProcess  # noqa: E402
 
@@ -34,11 +35,6 @@ ADAPTERS = ("all-r32", "mlp-r64", "qv-r8")  # the test demo model (LORAPLEX_DEMO
 BASE = "loraplex-base"
 START_TIMEOUT_S = 150.0
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _descendants(root: int) -> set[int]:
@@ -68,7 +64,7 @@ def _alive(pid: int) -> bool:
 
 class Cluster:
     def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        self.port = _free_port()
+        self.port = free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "cluster.log"
         argv = [sys.executable, "-m", "loraplex.cli", "cluster", "serve", "--replicas", "2", "--http-port",
@@ -129,7 +125,7 @@ class S3:
     def __init__(self) -> None:
         from moto.server import ThreadedMotoServer
 
-        self.port = _free_port()
+        self.port = free_loopback_port()
         self.env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}", "AWS_ACCESS_KEY_ID": "testing",
                     "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from loraplex import cli
+from loraplex.contracts.host import free_loopback_port
 from loraplex.daemon.config import ConfigError
 from loraplex.daemon.config_load import load_config
 from loraplex.ipc.client import AsyncClient, Client, ErrorCode, LoraplexError
@@ -232,11 +232,6 @@ def test_async_refusal_never_waits_for_the_send_timeout(ping_server: PingServer,
 
 # -- a real daemon ----------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _curve_env(keys: dict[str, Path], endpoint: str) -> dict[str, str]:
     return {"LORAPLEX_SERVER_TCP_LISTEN": endpoint,
@@ -245,7 +240,7 @@ def _curve_env(keys: dict[str, Path], endpoint: str) -> dict[str, str]:
 
 
 def test_daemon_serves_only_allowed_curve_clients_over_tcp(demo, keys, tmp_path, capsys) -> None:
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_loopback_port()}"
     (tmp_path / "d").mkdir()
     proc = DaemonProcess(tmp_path / "d", env=_curve_env(keys, endpoint))
     try:
@@ -277,7 +272,7 @@ def test_daemon_serves_only_allowed_curve_clients_over_tcp(demo, keys, tmp_path,
     ("half_configured", "tcp_curve_allowed_keys must be set too"),
 ])
 def test_daemon_refuses_bad_curve_config(keys, tmp_path, case: str, message: str) -> None:
-    env = _curve_env(keys, f"tcp://127.0.0.1:{_free_port()}")
+    env = _curve_env(keys, f"tcp://127.0.0.1:{free_loopback_port()}")
     if case == "world_readable":
         os.chmod(keys["server.key"], 0o644)
     elif case == "missing_allow_list":

@@ -6,12 +6,12 @@ from __future__ import annotations
 import grp
 import os
 import re
-import socket
 import stat
 from pathlib import Path
 
 import pytest
 
+from loraplex.contracts.host import free_loopback_port
 from loraplex.daemon.access import REDACTED, redact_for_remote
 from loraplex.daemon.config import ConfigError, ServerSettings, is_loopback_endpoint
 from loraplex.ipc.client import Client
@@ -20,11 +20,6 @@ from tests.daemon_process import DaemonProcess
 
 ABSOLUTE_PATH = re.compile(r"(?<![\w:/.-])/[\w.-]+/")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _mode(path: Path) -> int:
@@ -73,7 +68,7 @@ def test_redaction_keeps_what_is_not_a_path() -> None:
 
 
 def test_socket_modes_plaintext_tcp_warning_and_redacted_paths(demo, tmp_path: Path) -> None:
-    endpoint = f"tcp://0.0.0.0:{_free_port()}"
+    endpoint = f"tcp://0.0.0.0:{free_loopback_port()}"
     proc = DaemonProcess(tmp_path, env={"LORAPLEX_SERVER_TCP_LISTEN": endpoint,
                                         "LORAPLEX_SERVER_TCP_INSECURE": "true"})
     try:
@@ -124,7 +119,7 @@ def test_admin_group_opens_admin_sock_to_that_group_only(demo, tmp_path: Path) -
     ({"LORAPLEX_SERVER_ADMIN_GROUP": "no-such-group-lpx"}, r"there is no group 'no-such-group-lpx'"),
 ])
 def test_unsafe_or_impossible_access_refuses_to_start(tmp_path: Path, env: dict[str, str], message: str) -> None:
-    env = {k: v.format(port=_free_port()) for k, v in env.items()}
+    env = {k: v.format(port=free_loopback_port()) for k, v in env.items()}
     proc = DaemonProcess(tmp_path, env=env)
     try:
         with pytest.raises(RuntimeError, match="exited with 2"):

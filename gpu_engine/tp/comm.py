@@ -8,19 +8,11 @@ pickled: only tensors cross (torch.distributed's object collectives are never us
 from __future__ import annotations
 
 import datetime
-import socket
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now (the rendezvous binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(slots=True)
