@@ -38,9 +38,10 @@ class HostEntry:
 class Executor:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, geometry: PageGeometry, num_pages: int, *,
                  device: torch.device, dtype: torch.dtype, lora_backend: str = "torch",
-                 load_throttle_bytes_s: float | None = None, split: ModelSplit | None = None) -> None:
+                 load_throttle_bytes_s: float | None = None, split: ModelSplit | None = None,
+                 packed_weights: bool = False) -> None:
         """weights: what `split` runs (a tensor-parallel rank's shard, split.shard_weights); split: how the
-        model is split over devices (default: one device)."""
+        model is split over devices (default: one device); packed_weights: model.cpu_packed_weights."""
         self.cfg = cfg
         self.device = device
         self.geometry = geometry
@@ -49,7 +50,7 @@ class Executor:
         # their K/V there, so no sequence's page is ever touched by them.
         self.pool = UnifiedPool(cfg.num_layers, num_pages + 1, geometry, device=device, dtype=dtype)
         self.scratch_page = num_pages
-        self.model = self.split.build_model(weights, lora_backend)
+        self.model = self.split.build_model(weights, lora_backend, packed_weights=packed_weights)
         # dLoRA merged mode: each rank adds its slice of s·B·A into its own weight shard
         self.merge = MergeController(weights, lambda name: self.split.merge_copy(self.host[name].adapter))
         self.host: dict[str, HostEntry] = {}

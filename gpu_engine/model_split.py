@@ -14,6 +14,7 @@ from loraplex.contracts.tensor_parallel import TensorParallelPlan
 from loraplex.gpu_engine.lora.backend import make_lora_backend
 from loraplex.gpu_engine.lora.peft_adapter import HostAdapter
 from loraplex.gpu_engine.model.config import ModelConfig
+from loraplex.gpu_engine.model.cpu_gemm import CpuGemm
 from loraplex.gpu_engine.model.llama import LlamaModel
 from loraplex.gpu_engine.model.weights import ModelWeights, Selector
 from loraplex.gpu_engine.tp.cpu_assist import AssistRow
@@ -27,7 +28,8 @@ class ModelSplit(Protocol):
 
     def shard_weights(self, weights: ModelWeights) -> ModelWeights: ...
     def weight_selector(self) -> Selector | None: ...
-    def build_model(self, weights: ModelWeights, lora_backend: str) -> LlamaModel: ...
+    def build_model(self, weights: ModelWeights, lora_backend: str, *,
+                    packed_weights: bool = False) -> LlamaModel: ...
     def pool_copy(self, adapter: HostAdapter) -> HostAdapter: ...
     def merge_copy(self, adapter: HostAdapter) -> HostAdapter: ...
     def assist_step(self, inner, rows: list[AssistRow]) -> object: ...
@@ -51,15 +53,17 @@ class WholeModel:
         """What load_weights keeps of each checkpoint tensor: all of it."""
         return None
 
-    def build_model(self, weights: ModelWeights, lora_backend: str) -> LlamaModel:
-        """weights: what shard_weights returned, on the device."""
+    def build_model(self, weights: ModelWeights, lora_backend: str, *, packed_weights: bool = False) -> LlamaModel:
+        """weights: what shard_weights returned, on the device; packed_weights: float32 CPU projections
+        through oneDNN-packed copies (model/cpu_gemm.py)."""
         cfg = self.cfg
         attention = None
         if lora_backend == "triton":  # the Triton build runs paged attention through its kernels too
             from loraplex.gpu_engine.model.attention_triton import TritonPagedAttention
 
             attention = TritonPagedAttention.for_config(cfg)
-        return LlamaModel(cfg, weights, make_lora_backend(lora_backend), attention=attention)
+        return LlamaModel(cfg, weights, make_lora_backend(lora_backend), attention=attention,
+                          gemm=CpuGemm(enabled=packed_weights))
 
     def pool_copy(self, adapter: HostAdapter) -> HostAdapter:
         """What of `adapter` the pool pages hold."""

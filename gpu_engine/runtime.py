@@ -133,7 +133,7 @@ def build_runtime(spec: EngineSpec, *, max_num_seqs: int | None = None, link: Ra
             num_pages = link.control.min_int(num_pages)
     executor = Executor(config, weights, geometry, num_pages, device=device, dtype=dtype,
                         lora_backend=spec.lora_backend, load_throttle_bytes_s=spec.load_throttle_bytes_s,
-                        split=split)
+                        split=split, packed_weights=spec.cpu_packed_weights)
     executor.sampler.tokenizer_json = model_dir / "tokenizer.json"  # structured output compiles against it
     limit = min(config.max_position_embeddings, num_pages * geometry.page_tokens)
     max_model_len = min(spec.max_model_len, limit) if spec.max_model_len else limit

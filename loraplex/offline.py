@@ -116,7 +116,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, load_groups: int = 1,
                  load_throttle_bytes_s: float | None = None, cuda_graphs: bool = True,
                  admit_when_loaded: bool = False, load_format: str = "safetensors",
-                 cpu_threads: int | None = None) -> None:
+                 cpu_threads: int | None = None, cpu_packed_weights: bool = True) -> None:
         runtime = build_runtime(EngineSpec(
             model=None if model is None else str(model), load_format=load_format, device=device, dtype=dtype,
             max_lora_rank=max_lora_rank,
@@ -124,7 +124,7 @@ class LLM:
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             load_throttle_bytes_s=load_throttle_bytes_s, cuda_graphs=cuda_graphs,
             # torch's thread count is the whole process's: an in-process engine keeps the caller's unless told
-            cpu_threads=cpu_threads or torch.get_num_threads(),
+            cpu_threads=cpu_threads or torch.get_num_threads(), cpu_packed_weights=cpu_packed_weights,
         ), max_num_seqs=max_num_seqs)
         self.model_dir = runtime.model_dir
         self.device = runtime.executor.device

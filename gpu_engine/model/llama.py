@@ -22,6 +22,7 @@ from loraplex.gpu_engine.lora.torch_backend import LoraGroup, ResidentLora, embe
 from loraplex.gpu_engine.model.attention_torch import TorchPagedAttention
 from loraplex.gpu_engine.model.batch import ForwardBatch
 from loraplex.gpu_engine.model.config import ModelConfig
+from loraplex.gpu_engine.model.cpu_gemm import CpuGemm
 from loraplex.gpu_engine.model.norms import activation, norm, rms_norm, softcap
 from loraplex.gpu_engine.model.rope import Rotary
 from loraplex.gpu_engine.model.weights import LayerWeights, ModelWeights
@@ -32,10 +33,11 @@ __all__ = ["LlamaModel", "rms_norm"]
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora: LoraBackend,
-                 attention: TorchPagedAttention | None = None) -> None:
+                 attention: TorchPagedAttention | None = None, gemm: CpuGemm | None = None) -> None:
         self.cfg = cfg
         self.w = weights
         self.lora = lora
+        self.gemm = gemm or CpuGemm(enabled=False)  # the engine's: packed CPU weights (model.cpu_packed_weights)
         device = weights.embed.device
         self.rotary = Rotary(cfg, device)
         # Gemma 3's sliding layers rotate with their own base; every other model shares one table.
@@ -130,7 +132,7 @@ class LlamaModel:
         return F.embedding(token_ids, self.w.embed)
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
-        return F.linear(last, self.w.lm_head, self.w.lm_head_bias).float()
+        return self.gemm.linear("lm_head", last, self.w.lm_head, self.w.lm_head_bias).float()
 
     def _gpu_groups(self, batch: ForwardBatch, layer: int) -> list[LoraGroup]:
         """Adapter segments whose LoRA runs from the pool at this layer; waits for layer groups in flight."""
@@ -142,7 +144,7 @@ class LlamaModel:
 
     def _proj(self, layer: LayerWeights, name: str, x: torch.Tensor, flat: torch.Tensor,
               groups: list[LoraGroup]) -> torch.Tensor:
-        out = F.linear(x, layer.proj[name], layer.bias.get(name))
+        out = self.gemm.linear((id(layer), name), x, layer.proj[name], layer.bias.get(name))
         if groups:
             self.lora.apply(out, x, flat, name, groups)
         return out

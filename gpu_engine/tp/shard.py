@@ -33,7 +33,9 @@ class TpShard:
         """load_weights reads only this rank's slice of each checkpoint tensor, never the whole model."""
         return rank_selector(self.plan, self.rank)
 
-    def build_model(self, weights: ModelWeights, lora_backend: str) -> TpLlamaModel:
+    def build_model(self, weights: ModelWeights, lora_backend: str, *,
+                    packed_weights: bool = False) -> TpLlamaModel:
+        """packed_weights is not taken up yet: a rank's projections run F.linear on its shard."""
         if lora_backend != "torch":  # EngineSpec refuses it first; this guards direct use
             raise ValueError(f"tensor parallelism runs the torch LoRA backend, not {lora_backend!r}")
         return TpLlamaModel(self.cfg, weights, self.plan, self.comm)

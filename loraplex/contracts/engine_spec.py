@@ -92,6 +92,7 @@ class EngineSpec:
     load_throttle_bytes_s: float | None = None  # test-only: cap the host -> pool adapter copy rate
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (on CUDA with lora_backend=triton)
     cpu_threads: int | None = None  # torch threads of each engine process; None: auto (resolve_spec)
+    cpu_packed_weights: bool = True  # float32 on CPU: projections through oneDNN-packed weight copies
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # the largest decode batch: the largest graph bucket
     adapter_dirs: tuple[str, ...] = ()  # every adapter file must resolve inside one (empty: anywhere)
     shm_instance: str | None = None  # names the daemon's shared-memory segments
