@@ -38,27 +38,32 @@ def load(model_dir: Path, adapters: dict[str, str]):
     return model.eval()
 
 
-def run_batch(model, batch: list[dict], with_adapters: bool) -> tuple[list[list[int]], float]:
-    """Greedy tokens of each row (no EOS stop: the servers run with ignore_eos) and the time of
-    the first step's end."""
+def run_batch(model, batch: list[dict], with_adapters: bool) -> tuple[list[list[int]], list[list[float]], float]:
+    """Greedy tokens of each row (no EOS stop: the servers run with ignore_eos), the margin of each
+    token over the runner-up logit (a small margin is a near-tie another float order may flip),
+    and the time of the first step's end."""
     ids = torch.tensor([r["prompt"] for r in batch])
     steps = max(r["max_tokens"] for r in batch)
     kwargs = {"adapter_names": [r["adapter"] or BASE for r in batch]} if with_adapters else {}
     out_tokens: list[list[int]] = [[] for _ in batch]
+    margins: list[list[float]] = [[] for _ in batch]
     first = 0.0
     with torch.no_grad():
         past, step_input = None, ids
         for step in range(steps):
             out = model(input_ids=step_input, past_key_values=past, use_cache=True, **kwargs)
             past = out.past_key_values
-            nxt = out.logits[:, -1].argmax(-1)
+            top2 = out.logits[:, -1].float().topk(2, dim=-1)
+            nxt = top2.indices[:, 0]
+            gaps = (top2.values[:, 0] - top2.values[:, 1]).tolist()
             for i, t in enumerate(nxt.tolist()):
                 if len(out_tokens[i]) < batch[i]["max_tokens"]:
                     out_tokens[i].append(t)
+                    margins[i].append(gaps[i])
             if step == 0:
                 first = time.perf_counter()
             step_input = nxt[:, None]
-    return out_tokens, first
+    return out_tokens, margins, first
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         batch = [r for r in pending if r["arrival_s"] <= now][: args.max_batch]
         pending = [r for r in pending if r not in batch]
-        tokens, first = run_batch(model, batch, with_adapters)
+        tokens, margins, first = run_batch(model, batch, with_adapters)
         end = time.perf_counter()
-        for r, toks in zip(batch, tokens):
+        for r, toks, gaps in zip(batch, tokens, margins):
             arrived = start + r["arrival_s"]
             results.append({"index": r["index"], "ok": True, "ttft_s": first - arrived, "e2e_s": end - arrived,
-                            "tokens": len(toks), "token_ids": toks,
+                            "tokens": len(toks), "token_ids": toks, "margins": gaps,
                             "text": tokenizer.decode(toks, skip_special_tokens=False) if tokenizer else ""})
         print(f"peft: {len(results)}/{len(requests)} done", file=sys.stderr)
     elapsed = time.perf_counter() - start

@@ -13,9 +13,9 @@ A system that cannot start raises PeerUnavailable with its reason, and the run r
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +24,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from loraplex.contracts.host import free_loopback_port
 
 BASE_MODEL = "base"  # the served name of the base model on every server
 VLLM_VERSION = "0.32.0"
@@ -38,12 +40,6 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # --max-lora-rank must be
 
 class PeerUnavailable(RuntimeError):
     """The system could not be set up or started here; the message says why."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pinned(cores: str, argv: list[str]) -> list[str]:
@@ -68,6 +64,24 @@ class Served:
     logs: list[Path] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
     started_s: float = 0.0
+    stats_argv: list[str] = field(default_factory=list)  # prints the server's own metrics as JSON (loraplex)
+
+    def step_stats(self) -> dict[str, Any] | None:
+        """What the server says its steps took (loraplex: `loraplex stats --json`): steps, rows per
+        step, engine and round-trip time per step, the daemon's share; None where it has no such
+        report or it fails."""
+        if not self.stats_argv:
+            return None
+        proc = subprocess.run(self.stats_argv, capture_output=True, text=True, timeout=60, check=False)
+        try:
+            doc = json.loads(proc.stdout)
+        except ValueError:
+            return None
+        latency = doc.get("latency", {})
+        return {"steps": doc.get("steps"), "mean_batch_rows": doc.get("mean_batch_rows"),
+                "control_overhead_ms": doc.get("control_overhead_ms"), "policy_ms_mean": doc.get("policy_ms_mean"),
+                **{f"{name}_{q}": latency.get(name, {}).get(q) for name in ("step_ms", "engine_ms")
+                   for q in ("p50", "p99")}}
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
@@ -118,7 +132,7 @@ def start_loraplex(work: Path, model_dir: Path, adapters: dict[str, Path], *, co
     run = work / "loraplex"
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
-    port = free_port()
+    port = free_loopback_port()
     flags = [f"--adapter={name}={path}" for name, path in adapters.items()]
     serve = pinned(cores, [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(model_dir),
                            "--runtime-dir", str(run / "rt"), "--state-dir", str(run / "state"),
@@ -136,6 +150,7 @@ def start_loraplex(work: Path, model_dir: Path, adapters: dict[str, Path], *, co
         with log.open("w") as out:
             served.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                                  stdin=subprocess.DEVNULL))
+    served.stats_argv = [sys.executable, "-m", "loraplex.cli", "stats", "--runtime-dir", str(run / "rt"), "--json"]
     wait_ready(served, timeout_s)
     return served
 
@@ -163,7 +178,7 @@ def start_vllm(work: Path, venv: Path, model_dir: Path, adapters: dict[str, Path
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
     (run / "serve.py").write_text(VLLM_MAIN)
-    port = free_port()
+    port = free_loopback_port()
     lora_rank = next((r for r in VLLM_LORA_RANKS if r >= max_rank), None)
     if lora_rank is None:
         raise PeerUnavailable(f"vLLM takes LoRA ranks up to {VLLM_LORA_RANKS[-1]}, the adapters reach {max_rank}")

