@@ -2,11 +2,13 @@
 on the dense weights: each projection of `--shape` alone at several row counts, then the offline
 `LLM` engine built both ways, side by side, on one mixed-adapter batch.
 
-Per projection and row count: GFLOP/s of F.linear and of the packed path (median of `--repeats`)
-and their ratio. Per engine: prefill tokens/s (the batch's prompts, one output token) and
-generation tokens/s (`--max-tokens` each), every run on prompts of its own (a repeated prompt
-would come from the prefix cache), median over `--rounds` that alternate which build
-runs first, so a drift of the host's load falls on both alike; and the ratios packed over plain.
+Per projection and row count: GFLOP/s of F.linear and of the packed path (median of
+`--repeats`, the two taking turns so both meet the caches alike) and their ratio; under
+PACKED_MIN_ROWS rows both are F.linear, which shows the noise of the host. Per engine: prefill
+tokens/s (the batch's prompts, one output token) and generation tokens/s (`--max-tokens` each),
+every run on prompts of its own (a repeated prompt would come from the prefix cache), median over
+`--rounds` that alternate which build runs first, so a drift of the host's load falls on both
+alike; and the ratios packed over plain.
 
     .venv/bin/python bench/cpu_gemm.py --json
     .venv/bin/python bench/cpu_gemm.py --shape tiny --rounds 1 --max-tokens 4 --json   # smoke
@@ -58,14 +60,19 @@ def projection_shapes(shape: str) -> dict[str, tuple[int, int]]:
     return {"q/o": (hidden, hidden), "k/v": (hidden, kv), "gate/up": (hidden, inter), "down": (inter, hidden)}
 
 
-def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed_pair(first, second, repeats: int) -> tuple[float, float]:
+    """Median seconds of each, the two taking turns (and turns at going first), so both meet the
+    caches in the same state: timed one after the other, the second ran on weights the first had
+    warmed (a 20-60% bias at one row)."""
+    first(), second()
+    times: tuple[list[float], list[float]] = ([], [])
+    for r in range(repeats):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            fn = (first, second)[i]
+            start = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def projections(args: argparse.Namespace) -> list[dict]:
@@ -77,8 +84,8 @@ def projections(args: argparse.Namespace) -> list[dict]:
         for m in args.rows:
             x = torch.randn(m, k, generator=g)
             flops = 2 * m * k * n
-            plain = flops / timed(lambda: F.linear(x, w), args.repeats) / 1e9
-            packed = flops / timed(lambda: gemm.linear(name, x, w), args.repeats) / 1e9
+            plain_s, packed_s = timed_pair(lambda: F.linear(x, w), lambda: gemm.linear(name, x, w), args.repeats)
+            plain, packed = flops / plain_s / 1e9, flops / packed_s / 1e9
             rows.append({"projection": name, "in": k, "out": n, "rows": m, "f_linear_gflops": round(plain, 2),
                          "packed_gflops": round(packed, 2), "packed_over_plain": round(packed / plain, 3)})
             print(f"{name} [{k}->{n}] x {m} rows: F.linear {plain:.1f}, packed {packed:.1f} GFLOP/s",

@@ -33,6 +33,7 @@ CHEAP = {  # a few seconds each on 2 busy cores
     "bench/family_step_time.py --families llama gemma2 --batch 2 --max-tokens 4 --rounds 1 --json",
     "bench/engine_threads.py --shape tiny --rounds 1 --max-tokens 4 --json",
     "bench/cpu_gemm.py --shape tiny --rounds 1 --max-tokens 4 --json",
+    "bench/lora_rows.py --json",
 }
 SLOW = {  # full-size runs: minutes
     "bench/cache_policies.py --json",  # 33 s on 2 busy cores; tests/test_bench_cache.py runs it smaller

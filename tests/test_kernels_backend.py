@@ -132,3 +132,20 @@ def test_factory_returns_triton_backend() -> None:
     assert isinstance(make_lora_backend("triton"), TritonLoraBackend)
     with pytest.raises(ValueError, match="kernel must be one of"):
         TritonLoraBackend(kernel="punica")
+
+
+def test_rows_gathered_whole_are_the_placed_a_and_b(placed) -> None:
+    """module_rows (whole-row gathers at offsets no row width divides) returns exactly the rows the
+    element index names, which are the adapter's A and B^T as placed."""
+    from loraplex.gpu_engine.lora.torch_backend import module_rows
+
+    pool, resident = placed
+    for layer in range(pool.data.shape[0]):
+        flat = pool.layer_flat(layer)
+        for lora in resident.values():
+            for module, (idx_a, idx_b) in lora.index.items():
+                a, bt = module_rows(flat, lora, module, 0), module_rows(flat, lora, module, 1)
+                assert torch.equal(a, flat[idx_a]) and torch.equal(bt, flat[idx_b]), (lora.name, module)
+                assert a.shape == (lora.rank, SHAPES[module][0]) and bt.shape == (lora.rank, SHAPES[module][1])
+    offsets = torch.cat([off for lora in resident.values() for pair in lora.row_offsets.values() for off in pair])
+    assert bool((offsets % 8 != 0).any()), "some rows start off any power-of-two boundary"

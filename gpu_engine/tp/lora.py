@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.gpu_engine.lora.torch_backend import LoraGroup
+from loraplex.gpu_engine.lora.torch_backend import LoraGroup, module_rows
 
 
 def targeting(groups: list[LoraGroup], module: str) -> list[LoraGroup]:
@@ -32,7 +32,7 @@ def shrink(x: torch.Tensor, pool_layer: torch.Tensor, module: str, groups: list[
     width = max(g.lora.index[module][0].shape[0] for g in groups)
     z = x.new_zeros(sum(g.end - g.start for g in groups), width)
     for g, rows in _packed(groups):
-        a = pool_layer[g.lora.index[module][0]]  # [A rows, in_width]
+        a = module_rows(pool_layer, g.lora, module, 0)  # [A rows, in_width]
         z[rows, : a.shape[0]] = x[g.start:g.end] @ a.t()
     return z
 
@@ -43,10 +43,9 @@ def expand_gathered(out: torch.Tensor, gathered: torch.Tensor, pool_layer: torch
     segment's padded x·A [count, N·rows] times this rank's B^T [N·rows, out/N] is added into `out`."""
     width = gathered.shape[1] // world_size
     for g, rows in _packed(groups):
-        idx_a, idx_b = g.lora.index[module]
-        r = idx_a.shape[0]
+        r = g.lora.index[module][0].shape[0]
         xa = gathered[rows].view(-1, world_size, width)[:, :, :r].reshape(-1, world_size * r)
-        out[g.start:g.end] += xa @ pool_layer[idx_b] * g.lora.scaling
+        out[g.start:g.end] += xa @ module_rows(pool_layer, g.lora, module, 1) * g.lora.scaling
 
 
 def expand_reduced(out_slice: torch.Tensor, reduced: torch.Tensor, pool_layer: torch.Tensor, module: str,
@@ -54,5 +53,5 @@ def expand_reduced(out_slice: torch.Tensor, reduced: torch.Tensor, pool_layer: t
     """Row-parallel: `reduced` [lora tokens, width] holds the summed x·A; each segment's [count, r] times
     this rank's B^T [r, out/N] is added into `out_slice`, this rank's columns of the partial output."""
     for g, rows in _packed(groups):
-        idx_b = g.lora.index[module][1]
-        out_slice[g.start:g.end] += reduced[rows, : idx_b.shape[0]] @ pool_layer[idx_b] * g.lora.scaling
+        bt = module_rows(pool_layer, g.lora, module, 1)
+        out_slice[g.start:g.end] += reduced[rows, : bt.shape[0]] @ bt * g.lora.scaling
