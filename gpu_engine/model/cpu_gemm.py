@@ -1,13 +1,15 @@
 """The base model's projections on a CPU engine, through weights prepacked in oneDNN's blocked
 layout (the path vLLM's CPU build takes) instead of `F.linear` on the dense weight.
 
-On this project's 2-core AVX2 host, one thread, float32, the `cpu` shape's projections ran
-1.5-2x faster packed at 4-8 rows and 1.1-1.3x at 32, alike from 128 rows up, but 1.3-2x slower
-for one row, where F.linear's matrix-vector path wins (bench/cpu_gemm.py, bench/RESULTS.md "Packed
-CPU weights"). So inputs of fewer than PACKED_MIN_ROWS rows take F.linear; a decode step's batch
-of several rows gains the most. The packed copy is made on a weight's first use and remade whenever the weight
-changes in place (a dLoRA merge or unmerge bumps its version counter) or is replaced (an untied
-LM head), so it never serves stale values. It costs a second copy of every projection weight,
+On this project's 2-core AVX2 host, one thread, float32, at the `cpu` shape (bench/cpu_gemm.py,
+bench/RESULTS.md "Packed CPU weights"), the MLP's projections ran 1.1-1.5x faster packed at 8-512
+rows and the attention ones about even; the engine's prefill 1.15x and its generation 1.2x. For
+one row F.linear's matrix-vector path measured as fast or faster, so inputs of fewer than
+PACKED_MIN_ROWS rows take F.linear.
+
+The packed copy is made on a weight's first use and remade whenever the weight changes in place
+(a dLoRA merge or unmerge bumps its version counter) or is replaced (an untied LM head), so it
+never serves stale values. It costs a second copy of every projection weight,
 so `model.cpu_packed_weights` turns it off where host memory is short.
 
 Used only for float32 on CPU where this torch has oneDNN's linear ops; everything else (CUDA,
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 PACK_HINT_ROWS = 16  # the batch rows oneDNN picks the layout for; 16 and 128 measured alike from 8 rows up
-PACKED_MIN_ROWS = 4  # fewer rows: F.linear (packed lost at 1 row, broke even at 2-3, won from 4)
+PACKED_MIN_ROWS = 4  # fewer rows: F.linear (packed measured slower at 1 row, about even at 2-3)
 
 
 def packed_linear_available() -> bool:
