@@ -8,6 +8,8 @@ starts when this one ends. Prompts of one workload share their length, so no pad
 request's end is timed from its arrival; its first token is not observable batch-wise, so TTFT
 is reported as the end of its batch's first step.
 
+Texts are decoded with special tokens skipped, as the servers stream them.
+
     python bench/peer_peft.py --model DIR --adapters adapters.json --workload workload.json --out results.json
 """
 from __future__ import annotations
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             arrived = start + r["arrival_s"]
             results.append({"index": r["index"], "ok": True, "ttft_s": first - arrived, "e2e_s": end - arrived,
                             "tokens": len(toks), "token_ids": toks, "margins": gaps,
-                            "text": tokenizer.decode(toks, skip_special_tokens=False) if tokenizer else ""})
+                            "text": tokenizer.decode(toks, skip_special_tokens=True) if tokenizer else ""})
         print(f"peft: {len(results)}/{len(requests)} done", file=sys.stderr)
     elapsed = time.perf_counter() - start
     args.out.write_text(json.dumps({"elapsed_s": elapsed, "results": results,

@@ -42,10 +42,18 @@ def result_entry(system: str, point: Any, rate: float, run: dict[str, Any]) -> d
 
 @dataclass
 class Reference:
-    """PEFT's greedy tokens per request and each token's margin over the runner-up logit. Two
-    correct float32 forwards may put a logit `tolerance` apart (tests/tolerances.py's
-    forward_tolerance for the model), so where another system's text first leaves PEFT's at a
-    token whose margin is within twice that, the two picks are a near-tie, not a wrong token."""
+    """PEFT's greedy tokens per request and each token's margin over the runner-up logit, and the
+    tokenizer's decode (special tokens skipped, as servers stream them).
+
+    Where another system's text first leaves PEFT's tells what the difference can be:
+    - at a token whose margin is within twice `tolerance` (tests/tolerances.py's
+      forward_tolerance for the model: how far a logit of two correct float32 forwards may be
+      apart): a near-tie, which either pick may take;
+    - at the first token, or at or just after a token whose text is not whole on its own (a byte
+      of a multi-byte character, which an incremental detokenizer holds back or joins to its
+      neighbour): a detokenizer seam, where text cannot tell a wrong token from another way of
+      printing the same ones: counted apart, as unverified;
+    - anywhere else: a wrong token."""
 
     token_ids: dict[int, list[int]]
     margins: dict[int, list[float]]
@@ -63,12 +71,23 @@ class Reference:
                 return step, margins[step]
         return None, None
 
+    def kind(self, index: int, step: int | None, margin: float | None) -> str:
+        """wrong, near_tie or seam (class docstring) for a text that left PEFT's at `step`."""
+        if step is None or margin is None:
+            return "wrong"
+        if margin <= 2 * self.tolerance:
+            return "near_tie"
+        ids = self.token_ids[index]
+        if step == 0 or any("\ufffd" in self.decode([i]) for i in ids[max(0, step - 1):step + 1]):
+            return "seam"
+        return "wrong"
+
 
 def check_texts(entries: list[dict[str, Any]], texts: dict[str, dict[int, str] | None],
                 reference: Reference | None = None) -> None:
     """Each system's text for every request both it and PEFT finished, against PEFT's. A differing
-    text counts as wrong unless `reference` shows it left PEFT's at a near-tie (then it counts in
-    `near_tie_outputs`): wrong tokens are reported, never averaged away."""
+    text counts as wrong unless `reference` shows it left PEFT's at a near-tie or a detokenizer
+    seam (Reference): wrong tokens are reported, never averaged away."""
     ref = texts.get(REFERENCE)
     for entry in entries:
         own = texts.get(entry["system"])
@@ -77,11 +96,13 @@ def check_texts(entries: list[dict[str, Any]], texts: dict[str, dict[int, str] |
         both = [i for i in own if i in ref]
         differ = [i for i in both if own[i] != ref[i]]
         found = {i: reference.divergence(i, own[i]) if reference else (None, None) for i in differ}
-        ties = [i for i, (_, margin) in found.items() if margin is not None and margin <= 2 * reference.tolerance]
-        wrong = [i for i in differ if i not in ties]
-        entry.update(checked_outputs=len(both), wrong_outputs=len(wrong), near_tie_outputs=len(ties),
-                     first_wrong=wrong[:5],
-                     divergences=[{"index": i, "token": found[i][0], "peft_margin": found[i][1]} for i in differ][:10])
+        kinds = {i: reference.kind(i, *found[i]) if reference else "wrong" for i in differ}
+        wrong = [i for i in differ if kinds[i] == "wrong"]
+        entry.update(checked_outputs=len(both), wrong_outputs=len(wrong),
+                     near_tie_outputs=sum(k == "near_tie" for k in kinds.values()),
+                     seam_outputs=sum(k == "seam" for k in kinds.values()), first_wrong=wrong[:5],
+                     divergences=[{"index": i, "token": found[i][0], "peft_margin": found[i][1], "kind": kinds[i]}
+                                  for i in differ][:10])
         if reference:
             entry["near_tie_margin"] = 2 * reference.tolerance
 
@@ -123,13 +144,14 @@ def cold_summary(cold_ttft_ms: list[float], warm_ttft_ms: list[float]) -> dict[s
 
 def table(report: dict[str, Any]) -> str:
     lines = ["| workload | system | tok/s | slowdown | TTFT p50 / p99 ms | TPOT p50 / p99 ms | done | peak MB "
-             "| wrong (+ near-ties) / checked | cold / warm TTFT |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| wrong (+ near-ties, seams) / checked | cold / warm TTFT |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         if not r["ok"]:
             lines.append(f"| {r['point']} | {r['system']} | not run: {r['reason'][:90]} | | | | | | | |")
             continue
         checked = ("-" if r["checked_outputs"] is None else
-                   f"{r['wrong_outputs']} (+{r.get('near_tie_outputs', 0)} ties) / {r['checked_outputs']}")
+                   f"{r['wrong_outputs']} (+{r.get('near_tie_outputs', 0)} ties, {r.get('seam_outputs', 0)} seams) "
+                   f"/ {r['checked_outputs']}")
         cold = r.get("cold") or {}
         cold_text = (f"{cold['cold_ttft_p50_ms']} / {cold['warm_ttft_p50_ms']} ms" if cold else "-")
         peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"

@@ -265,14 +265,15 @@ def run_system(name: str, point: SweepPoint | None, args: argparse.Namespace, wo
 
 def reference_of(greedy: dict[int, tuple[list[int], list[float]]] | None, model_dir: Path,
                  config: dict) -> Reference | None:
-    """PEFT's tokens and margins, its tokenizer, and the suite's float32 bound for this model."""
+    """PEFT's tokens and margins, its tokenizer (special tokens skipped, as the servers stream
+    text), and the suite's float32 bound for this model."""
     if not greedy:
         return None
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     shape = SimpleNamespace(num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
                             intermediate_size=config["intermediate_size"])
     return Reference({i: ids for i, (ids, _) in greedy.items()}, {i: m for i, (_, m) in greedy.items()},
-                     lambda ids: tokenizer.decode(ids, skip_special_tokens=False), forward_tolerance(shape))
+                     lambda ids: tokenizer.decode(ids, skip_special_tokens=True), forward_tolerance(shape))
 
 
 def machine() -> dict[str, Any]:

@@ -276,23 +276,27 @@ def test_the_outside_client_reads_vllm_bench_results_into_our_summary(tmp_path):
         outside.run_vllm_bench(tmp_path / "none", tmp_path, "http://x/v1/completions", tmp_path, load, [], 5)
 
 
-def test_a_text_that_leaves_pefts_at_a_near_tie_is_told_apart_from_a_wrong_one():
+def test_a_text_that_leaves_pefts_at_a_near_tie_or_a_seam_is_told_apart_from_a_wrong_one():
     report = _bench_module("peer_report")
     point = _bench_module("peer_inputs").SweepPoint(8, "zipf", "mixed")
-    vocab = "abcdefgh"
-    reference = report.Reference(token_ids={0: [0, 1, 2], 1: [3, 4, 5], 2: [6, 7, 0]},
-                                 margins={0: [0.5, 1e-5, 0.3], 1: [0.5, 0.02, 0.3], 2: [0.1, 0.1, 0.1]},
+    vocab = "abcdefg\ufffd"  # id 7 prints as a lone byte (U+FFFD on its own)
+    reference = report.Reference(token_ids={0: [0, 1, 2], 1: [3, 4, 5], 2: [6, 7, 0], 3: [1, 2, 3],
+                                            4: [7, 1, 2]},
+                                 margins={0: [0.5, 1e-5, 0.3], 1: [0.5, 0.02, 0.3], 2: [0.1, 0.1, 0.1],
+                                          3: [0.4, 0.4, 0.4], 4: [0.4, 0.4, 0.4]},
                                  decode=lambda ids: "".join(vocab[i] for i in ids), tolerance=1e-4)
     assert reference.divergence(0, "abc") == (None, None)
     assert reference.divergence(0, "abX") == (2, 0.3) and reference.divergence(0, "aX") == (1, 1e-5)
-    entries = [report.result_entry("vllm", point, 1.0, {"summary": {"output_tok_s": 1.0, "finished": 3}})]
-    # request 0 leaves PEFT's at a margin of 1e-5 (under 2 x 1e-4): a near-tie; request 1 at 0.02: wrong
-    report.check_texts(entries, {"peft": {0: "abc", 1: "def", 2: "gha"}, "vllm": {0: "aXY", 1: "dZf", 2: "gha"}},
-                       reference)
+    entries = [report.result_entry("vllm", point, 1.0, {"summary": {"output_tok_s": 1.0, "finished": 4}})]
+    # request 0 leaves PEFT's at a margin of 1e-5 (under 2 x 1e-4): a near-tie; request 1 at 0.02 on a
+    # whole token past the first: wrong; request 2 at a lone byte, 4 just after one, 3 at its first token: seams
+    report.check_texts(entries, {"peft": {0: "abc", 1: "def", 2: "g\ufffda", 3: "bcd", 4: "\ufffdbc"},
+                                 "vllm": {0: "aXY", 1: "dZf", 2: "gZa", 3: "Zcd", 4: "\ufffdZc"}}, reference)
     e = entries[0]
-    assert (e["checked_outputs"], e["wrong_outputs"], e["near_tie_outputs"], e["first_wrong"]) == (3, 1, 1, [1])
-    assert e["divergences"] == [{"index": 0, "token": 1, "peft_margin": 1e-5},
-                                {"index": 1, "token": 1, "peft_margin": 0.02}]
+    assert (e["checked_outputs"], e["wrong_outputs"], e["near_tie_outputs"], e["seam_outputs"]) == (5, 1, 1, 3)
+    assert e["first_wrong"] == [1]
+    assert [(d["index"], d["token"], d["kind"]) for d in e["divergences"]] == [
+        (0, 1, "near_tie"), (1, 1, "wrong"), (2, 1, "seam"), (3, 0, "seam"), (4, 1, "seam")]
     without = [report.result_entry("vllm", point, 1.0, {"summary": {"output_tok_s": 1.0, "finished": 3}})]
     report.check_texts(without, {"peft": {0: "abc", 1: "def"}, "vllm": {0: "aXY", 1: "dZf"}})
     assert without[0]["wrong_outputs"] == 2, "no margins known: every differing text counts as wrong"
