@@ -72,6 +72,8 @@ ELSEWHERE = {  # a GPU, results of a GPU run, or a library installed by hand are
     "bench/gpu_report.py bench/results/gpu",
     "bench/peers.py --setup",  # installs vLLM's CPU build from the package index (minutes)
     "bench/peers.py --quick --json",  # needs that venv
+    "bench/peers.py --systems loraplex vllm --adapters 8 --popularity uniform --client vllm-bench --requests 24"
+    " --rate 1 --cores 0-1 --json",  # needs that venv too
     "bench/peers_plot.py bench/results/peers_sweep.json --out bench/results/peers_sweep.png",  # rewrites a result
 }
 
