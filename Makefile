@@ -85,7 +85,7 @@ venv-host: venv $(HOST_VENV)/.ready-$(HOST_TORCH)-$(HOST_TRITON)
 # The engine's parity tests (against transformers + PEFT, prompt logprobs included) and the kernel
 # tests on the hosts' versions.
 HOST_TESTS ?= tests/test_parity_peft.py tests/test_architectures.py tests/test_kernels_lora.py tests/test_kernels_attention.py \
-	tests/test_kernels_backend.py tests/test_prompt_logprobs.py tests/test_head_lora.py
+	tests/test_kernels_backend.py tests/test_prompt_logprobs.py tests/test_head_lora.py tests/test_cpu_gemm.py
 test-host: venv-host
 	LORAPLEX_HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(HOST_VENV)/bin/python -m pytest $(PYTEST_ARGS) $(HOST_TESTS)
 
