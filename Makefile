@@ -83,7 +83,7 @@ $(HOST_VENV)/.ready-$(HOST_TORCH)-$(HOST_TRITON): | $(PY)
 venv-host: venv $(HOST_VENV)/.ready-$(HOST_TORCH)-$(HOST_TRITON)
 
 # The engine's parity tests (against transformers + PEFT, prompt logprobs included) and the kernel
-# tests on the hosts' versions.
+# tests, and the packed CPU weights, on the hosts' versions.
 HOST_TESTS ?= tests/test_parity_peft.py tests/test_architectures.py tests/test_kernels_lora.py tests/test_kernels_attention.py \
 	tests/test_kernels_backend.py tests/test_prompt_logprobs.py tests/test_head_lora.py tests/test_cpu_gemm.py
 test-host: venv-host
