@@ -25,13 +25,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from model_shapes import SHAPES, shape_config, write_model_dir
+from engine_threads import RANKS, build
+from model_shapes import SHAPES, shape_config
 
 from loraplex import LLM, SamplingParams
-from loraplex.gpu_engine.demo import write_random_adapter
 from loraplex.gpu_engine.model.cpu_gemm import CpuGemm, packed_linear_available
 
-RANKS = (8, 16, 32, 64)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
@@ -93,20 +92,6 @@ def projections(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def build(root: Path, shape: str, packed: bool) -> tuple[LLM, list[str]]:
-    config = shape_config(shape)
-    llm = LLM(write_model_dir(root / "model", shape), load_format="dummy", max_model_len=1024, num_pages=512,
-              cpu_packed_weights=packed)
-    names = []
-    for i, rank in enumerate(RANKS):
-        path = root / f"r{rank}"
-        if not path.exists():
-            write_random_adapter(path, config, rank=rank, alpha=2.0 * rank, target_modules=TARGETS, seed=10 + i)
-        llm.add_adapter(f"r{rank}", path)
-        names.append(f"r{rank}")
-    return llm, names
-
-
 class Prompts:
     """Fresh random prompts for every call: a prompt seen before would be served from the prefix
     cache and time nothing."""
@@ -135,7 +120,8 @@ def tokens_per_s(llm: LLM, prompts: Prompts, adapters: list[str], max_tokens: in
 
 def engines(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="lpx-gemm-") as tmp:
-        built = {mode: build(Path(tmp), args.shape, mode == "packed") for mode in ("packed", "plain")}
+        built = {mode: build(Path(tmp), args.shape, TARGETS, cpu_packed_weights=mode == "packed")
+                 for mode in ("packed", "plain")}
         prompts = Prompts(args.batch, args.prompt_len, built["plain"][0].config.vocab_size)
         names = built["plain"][1]
         adapters = [names[i % len(names)] for i in range(args.batch)]

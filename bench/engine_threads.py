@@ -61,14 +61,17 @@ def thread_count(name: str, cores: int) -> int:
     return {"auto": auto_cpu_threads(cores, 1), "all": cores}.get(name) or int(name)
 
 
-def build(root: Path, shape: str) -> tuple[LLM, list[str]]:
+def build(root: Path, shape: str, targets: list[str] = TARGETS, **llm_options) -> tuple[LLM, list[str]]:
+    """The offline engine on a dummy-weight `shape` under `root`, with one adapter of each of RANKS
+    on `targets` (written once: a second build under the same root reuses them)."""
     config = shape_config(shape)
     model_dir = write_model_dir(root / "model", shape)
-    llm = LLM(model_dir, load_format="dummy", max_model_len=1024, num_pages=512)
+    llm = LLM(model_dir, load_format="dummy", max_model_len=1024, num_pages=512, **llm_options)
     names = []
     for i, rank in enumerate(RANKS):
         path = root / f"r{rank}"
-        write_random_adapter(path, config, rank=rank, alpha=2.0 * rank, target_modules=TARGETS, seed=10 + i)
+        if not (path / "adapter_config.json").exists():
+            write_random_adapter(path, config, rank=rank, alpha=2.0 * rank, target_modules=targets, seed=10 + i)
         llm.add_adapter(f"r{rank}", path)
         names.append(f"r{rank}")
     return llm, names

@@ -232,10 +232,10 @@ def run_peft(work: Path, model_dir: Path, adapters: dict[str, Path], workload, c
 
 
 def run_system(name: str, point: SweepPoint | None, args: argparse.Namespace, work: Path, model_dir: Path,
-               config: dict, workload: list[PeerRequest]) -> dict[str, Any]:
-    """One system on one workload (point None: the base model); its error instead when it fails."""
-    adapters = adapter_set(work, config, point) if point else {}
-    cold = cold_set(work, config, point, args.cold) if point and name != "peft" else {}
+               adapters: dict[str, Path], cold: dict[str, Path], workload: list[PeerRequest]) -> dict[str, Any]:
+    """One system on one workload (point None: the base model, `adapters` empty); its error instead
+    when it fails. `cold`: the adapters of the cold probe (servers only)."""
+    cold = {} if name == "peft" else cold
     log(f"{name}: {point.key if point else 'base'}")
     if name == "vllm" and point and point.adapters > args.vllm_max_adapters:
         return {"error": f"not run above --vllm-max-adapters {args.vllm_max_adapters}: vLLM's CPU LoRA path "
@@ -301,11 +301,13 @@ def main(argv: list[str] | None = None) -> int:
                       max_tokens=args.max_tokens, vocab=(FIRST_TOKEN, config["vocab_size"]))
         points: list[SweepPoint | None] = ([] if args.no_base else [None]) + sweep_points(args)
         for point in points:
-            names = list(adapter_set(work, config, point)) if point else []
-            workload = make_workload(adapters=names, popularity=point.popularity if point else "uniform", **common)
+            adapters = adapter_set(work, config, point) if point else {}
+            cold = cold_set(work, config, point, args.cold) if point else {}
+            workload = make_workload(adapters=list(adapters), popularity=point.popularity if point else "uniform",
+                                     **common)
             entries, texts, greedy = [], {}, None
             for name in args.systems:
-                run = run_system(name, point, args, work, model_dir, config, workload)
+                run = run_system(name, point, args, work, model_dir, adapters, cold, workload)
                 texts[name] = run.pop("texts", None)
                 greedy = run.pop("greedy", greedy)
                 entries.append(result_entry(name, point, args.rate, run))

@@ -75,10 +75,6 @@ class CpuGemm:
             self._packs[site] = entry
         return entry.packed
 
-    def forget(self) -> None:
-        """Drop every packed copy (they are remade on next use)."""
-        self._packs.clear()
-
     @property
     def packed_weights(self) -> int:
         return len(self._packs)
