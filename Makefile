@@ -10,6 +10,10 @@ TORCH_VERSION ?= 2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_CPU_INDEX ?=
 PYTEST_ARGS ?=
+# The suite's modules run on this many pytest-xdist workers, whole (--dist loadscope: a module's
+# shared daemon is started once). Three on two cores: about half of a test's time is spent waiting
+# on daemons and sockets. 0 runs everything in one process.
+PYTEST_WORKERS ?= 3
 # Property tests: `ci` replays the same derandomized examples on every run (tests/conftest.py);
 # `make fuzz` draws fresh ones, FUZZ_SCALE times as many.
 HYPOTHESIS_PROFILE ?= ci
@@ -52,7 +56,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 test: venv
-	LORAPLEX_HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PY) -m pytest $(PYTEST_ARGS)
+	LORAPLEX_HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 fuzz: venv
 	LORAPLEX_HYPOTHESIS_PROFILE=fuzz LORAPLEX_FUZZ_SCALE=$(FUZZ_SCALE) $(PY) -m pytest -m hypothesis $(PYTEST_ARGS)

@@ -9,6 +9,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,9 @@ def state(tmp_path: Path) -> Path:
 
 
 def _rows(state: Path) -> list[tuple]:
-    with sqlite3.connect(state / "registry.sqlite3") as db:
+    # Closed here, not whenever it is collected: closing the last connection checkpoints the WAL
+    # into the main file, which would change the file under a test that compares its bytes.
+    with closing(sqlite3.connect(state / "registry.sqlite3")) as db:
         return db.execute("SELECT * FROM adapters ORDER BY model, name").fetchall()
 
 
