@@ -14,7 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from loraplex.daemon.config import ServerSettings, is_loopback_endpoint
+from loraplex.daemon.config import ServerSettings
+from loraplex.daemon.config_names import is_loopback_endpoint
 from loraplex.ipc.protocol import AdaptersReply, ErrorReply, Message, StatsReply
 from loraplex.ipc.runtime_dir import GROUP_ENTER_MODE, Endpoints
 

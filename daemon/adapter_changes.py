@@ -11,8 +11,9 @@ import sqlite3
 from typing import Callable, TypeVar
 
 from loraplex.daemon.adapter_hash import fingerprint_to_text
+from loraplex.daemon.adapter_rules import RegistryError
 from loraplex.daemon.adapter_table import AdapterEntry
-from loraplex.daemon.registry import AdapterRecord, AdapterRegistry, RegistryError
+from loraplex.daemon.registry import AdapterRecord, AdapterRegistry
 from loraplex.daemon.rejected import Rejected
 from loraplex.daemon.serving import ServingCore
 from loraplex.ipc.errors import ErrorCode

@@ -2,7 +2,8 @@
 
 Owns the settings (model, scheduler, server, adapters) and their validation; the one
 loader that maps defaults < TOML file < LORAPLEX_* environment < command-line flags onto
-them is daemon/config_load.py, the TOML writer daemon/config_toml.py; the engine spec
+them is daemon/config_load.py, the TOML writer daemon/config_toml.py, the names settings go
+by outside these classes (environment, default directories) daemon/config_names.py; the engine spec
 every child process starts with is built from them once (LoraplexConfig.engine_spec). The
 [model] section's engine settings take their defaults and checks from
 loraplex/contracts/engine_spec.py, the scheduling limits theirs from
@@ -12,10 +13,7 @@ in the engine, gpu_engine/runtime.py).
 """
 from __future__ import annotations
 
-import ipaddress
 import os
-import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
@@ -23,25 +21,16 @@ from typing import ClassVar
 from loraplex.contracts.engine_spec import EngineSpec, LoadMode, check_engine_settings
 from loraplex.contracts.names import is_valid_name as is_valid_adapter_name
 from loraplex.contracts.settings import Checks, ConfigError
+from loraplex.daemon.config_names import TCP_ENDPOINT, default_state_dir, is_loopback_endpoint
 from loraplex.daemon.gpu_cache.predictor import PredictorConfig
 from loraplex.daemon.router import ROUTERS
 from loraplex.daemon.scheduler.config import DEFAULT_OVERLAP, SchedulerConfig
 
-ENV_PREFIX = "LORAPLEX_"
-ENV_CONFIG = "LORAPLEX_CONFIG"
-ENV_STATE_DIR = "LORAPLEX_STATE_DIR"
-# Short spellings for the settings people set most; each maps onto one "section.field".
-ENV_ALIASES: dict[str, str] = {
-    "LORAPLEX_MODEL": "model.model",
-    "LORAPLEX_RUNTIME_DIR": "server.runtime_dir",
-    ENV_STATE_DIR: "server.state_dir",
-}
 # Scheduling policies the daemon can build; extend when a policy lands in daemon/scheduler.
 SCHEDULER_POLICIES: tuple[str, ...] = ("fcfs", "mlq", "dlora")
 CACHE_POLICIES: tuple[str, ...] = ("none", "lru", "fifo", "cost")
 # Same value as loraplex.ipc.codec.DEFAULT_MAX_MESSAGE_BYTES (not imported: that pulls in zmq).
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
-_TCP_ENDPOINT = re.compile(r"tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})")
 # Each default is defined once: the engine settings' in EngineSpec, the scheduling limits' in
 # SchedulerConfig, the predictor's in PredictorConfig; the sections below take theirs from these.
 _ENGINE = EngineSpec()
@@ -291,7 +280,7 @@ class ServerSettings:
         for name in ("runtime_dir", "state_dir"):
             checks.path(name)
         if self.tcp_listen is not None:
-            match = _TCP_ENDPOINT.fullmatch(self.tcp_listen)
+            match = TCP_ENDPOINT.fullmatch(self.tcp_listen)
             if match is None or not 1 <= int(match["port"]) <= 65535:
                 checks.fail("tcp_listen", f"server.tcp_listen must look like tcp://HOST:PORT with PORT in 1..65535, "
                                           f"got {self.tcp_listen!r}")
@@ -393,42 +382,3 @@ class LoraplexConfig:
 SECTIONS: dict[str, type] = {"model": ModelSettings, "scheduler": SchedulerSettings, "server": ServerSettings}
 # The [model] settings that go to the engine as they are; the others (load_groups) stay in the daemon.
 ENGINE_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(ModelSettings) if f.name in _ENGINE_FIELDS)
-
-
-def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
-    """$LORAPLEX_STATE_DIR, else $XDG_STATE_HOME/loraplex, else ~/.local/state/loraplex."""
-    env = os.environ if env is None else env
-    if env.get(ENV_STATE_DIR):
-        return Path(env[ENV_STATE_DIR]).expanduser()
-    if env.get("XDG_STATE_HOME"):
-        return Path(env["XDG_STATE_HOME"]).expanduser() / "loraplex"
-    return Path.home() / ".local" / "state" / "loraplex"
-
-
-def is_loopback_endpoint(endpoint: str) -> bool:
-    """Whether a tcp:// endpoint listens on loopback only (localhost, 127.0.0.0/8, ::1); `*`, other
-    addresses, host and interface names count as reachable from elsewhere."""
-    match = _TCP_ENDPOINT.fullmatch(endpoint)
-    if match is None:
-        return False
-    host = match["host"].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def env_var(key: str) -> str:
-    """The environment variable of "section.field", e.g. LORAPLEX_SCHEDULER_MAX_NUM_SEQS."""
-    return ENV_PREFIX + key.replace(".", "_").upper()
-
-
-def parse_adapter_arg(text: str) -> tuple[str, str]:
-    """Split a `--adapter NAME=DIR` argument; ValueError if either side is missing."""
-    name, sep, path = text.partition("=")
-    name, path = name.strip(), path.strip()
-    if not sep or not name or not path:
-        raise ConfigError(f"adapter must be given as NAME=DIR, got {text!r}", "adapters")
-    return name, path

@@ -12,16 +12,8 @@ from typing import Any
 import tomllib
 
 from loraplex.contracts.settings import ConfigError, convert, field_types
-from loraplex.daemon.config import (
-    ENV_ALIASES,
-    ENV_CONFIG,
-    ENV_PREFIX,
-    PATH_KEYS,
-    SECTIONS,
-    LoraplexConfig,
-    env_var,
-    parse_adapter_arg,
-)
+from loraplex.daemon.config import PATH_KEYS, SECTIONS, LoraplexConfig
+from loraplex.daemon.config_names import ENV_ALIASES, ENV_CONFIG, ENV_PREFIX, env_var, parse_adapter_arg
 
 
 def load_config(

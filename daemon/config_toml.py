@@ -10,7 +10,8 @@ from dataclasses import fields
 from typing import Any, get_args
 
 from loraplex.contracts.settings import field_types
-from loraplex.daemon.config import SECTIONS, LoraplexConfig, env_var
+from loraplex.daemon.config import SECTIONS, LoraplexConfig
+from loraplex.daemon.config_names import env_var
 
 
 def config_to_dict(cfg: LoraplexConfig) -> dict[str, object]:

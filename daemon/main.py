@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from loraplex.daemon.access import AccessError, set_socket_modes, warn_plain_tcp
 from loraplex.daemon.adapter_hash import fingerprint_to_text
+from loraplex.daemon.adapter_rules import RegistryError
 from loraplex.daemon.adapter_table import AdapterEntry
 from loraplex.daemon.cache_link import CacheManagerLink
 from loraplex.daemon.child_link import EngineDied, EngineRefused
@@ -26,7 +27,7 @@ from loraplex.daemon.config import LoraplexConfig
 from loraplex.daemon.engine_link import EngineLink
 from loraplex.daemon.grammar_link import GrammarWorkerLink
 from loraplex.daemon.model_scope import ModelScopeError, model_scope
-from loraplex.daemon.registry import AdapterRegistry, RegistryError, RegistrySchemaError, ensure_state_dir
+from loraplex.daemon.registry import AdapterRegistry, RegistrySchemaError, ensure_state_dir
 from loraplex.daemon.registry_check import check_registry
 from loraplex.daemon.reload import claim_unscoped, entry_of, register_startup_adapters, reload
 from loraplex.daemon.replicas import build_router

@@ -2,8 +2,8 @@
 
 Owns the adapters table (base-model scope, name, path, rank, target modules,
 pinned, when and by whom added, the content hash and file fingerprint last
-seen, how often used), its schema migrations, adapter name rules and the check
-that an adapter path stays inside the allowed roots. Every registry object is
+seen, how often used) and its schema migrations; the rules an entry must follow
+are daemon/adapter_rules.py's (re-exported here). Every registry object is
 scoped to one base model (daemon/model_scope.py), so daemons serving different
 models never see each other's adapters. Never reads adapter weights and never
 decides residency; that is the cache manager's and the scheduler's job.
@@ -20,11 +20,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.contracts.names import MAX_NAME_LEN, NAME_RULE, is_valid_name
+from loraplex.contracts.names import MAX_NAME_LEN
+from loraplex.daemon.adapter_rules import (
+    RegistryError,
+    check_adapter_name,
+    check_path_text,
+    check_target_modules,
+)
 
-MAX_PATH_LEN = 4096
 SOURCES: tuple[str, ...] = ("cli", "admin", "flag", "config")
-ERROR_CODES: tuple[str, ...] = ("already_exists", "not_found", "invalid_field", "forbidden_path")
 DEFAULT_BUSY_TIMEOUT_S = 5.0
 # Rows written before registries were scoped by base model (schema 1), or by a caller that names no
 # model: claimed by the first daemon whose model they load on (daemon/model_scope.py).
@@ -75,55 +79,8 @@ _INSERT = ("INSERT INTO adapters (model, name, path, rank, target_modules, added
            "fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
 
 
-class RegistryError(ValueError):
-    """A registry operation was refused; `code` is one of ERROR_CODES (the wire error codes)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        if code not in ERROR_CODES:
-            raise ValueError(f"unknown registry error code {code!r}")
-        super().__init__(message)
-        self.code = code
-
-
 class RegistrySchemaError(RuntimeError):
     """The database was written by a newer loraplex (schema version above SCHEMA_VERSION)."""
-
-
-def check_adapter_name(name: object) -> str:
-    if not is_valid_name(name):
-        shown = name[:64] if isinstance(name, str) else name
-        raise RegistryError("invalid_field", f"adapter name must be {NAME_RULE}, got {shown!r}")
-    return name  # type: ignore[return-value]
-
-
-def check_adapter_path(path: str | os.PathLike[str], allowed_roots: tuple[str, ...] = ()) -> Path:
-    """The adapter directory `path` with symlinks resolved, if it is allowed.
-
-    Refuses (RegistryError) a relative or missing path, a non-directory
-    (invalid_field) and, when `allowed_roots` is non-empty, a path whose resolved
-    location is outside every resolved root (forbidden_path), so a symlink cannot
-    escape the roots. Callers should store and load the returned path, not `path`.
-    """
-    raw = os.fspath(path)
-    if not raw or "\x00" in raw or not os.path.isabs(raw):
-        raise RegistryError("invalid_field", f"adapter path must be an absolute path, got {raw[:256]!r}")
-    try:
-        resolved = Path(raw).resolve(strict=True)
-    except FileNotFoundError:
-        raise RegistryError("invalid_field", f"adapter path {raw} does not exist") from None
-    except (OSError, RuntimeError) as exc:  # RuntimeError: symlink loop on older Pythons
-        raise RegistryError("invalid_field", f"adapter path {raw} cannot be resolved: {exc}") from None
-    if allowed_roots:
-        roots = [Path(root).expanduser().resolve() for root in allowed_roots]
-        if not any(resolved == root or resolved.is_relative_to(root) for root in roots):
-            via = "" if str(resolved) == raw else f" (resolves to {resolved})"
-            raise RegistryError(
-                "forbidden_path",
-                f"adapter path {raw}{via} is outside the allowed adapter directories: {', '.join(map(str, roots))}",
-            )
-    if not resolved.is_dir():
-        raise RegistryError("invalid_field", f"adapter path {raw} is not a directory")
-    return resolved
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,10 +198,10 @@ class AdapterRegistry:
         """Register `name` at absolute `path`; with replace=True an existing entry is
         overwritten (keeping its pin and use count), otherwise RegistryError("already_exists")."""
         check_adapter_name(name)
-        path_str = _check_path(path)
+        path_str = check_path_text(path)
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0):
             raise RegistryError("invalid_field", f"adapter rank must be a positive integer or None, got {rank!r}")
-        modules = _check_modules(target_modules)
+        modules = check_target_modules(target_modules)
         if source not in SOURCES:
             raise RegistryError("invalid_field", f"adapter source must be one of {', '.join(SOURCES)}, got {source!r}")
         row = (self.model, name, path_str, rank, json.dumps(list(modules)), time.time(), source, str(content_hash),
@@ -378,26 +335,6 @@ def _record(row: tuple[object, ...]) -> AdapterRecord:
         fingerprint=str(fingerprint),
         uses=int(uses),  # type: ignore[call-overload]
     )
-
-
-def _check_path(path: str | os.PathLike[str]) -> str:
-    raw = os.fspath(path)
-    if not isinstance(raw, str) or not 1 <= len(raw) <= MAX_PATH_LEN or "\x00" in raw:
-        raise RegistryError("invalid_field", f"adapter path must be 1..{MAX_PATH_LEN} characters without NUL")
-    if not os.path.isabs(raw):
-        raise RegistryError(
-            "invalid_field", f"adapter path must be absolute (the daemon's working directory is not yours), got {raw!r}"
-        )
-    return raw
-
-
-def _check_modules(target_modules: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(target_modules, str):
-        raise RegistryError("invalid_field", "target_modules must be a sequence of module names, not one string")
-    modules = tuple(target_modules)
-    if not all(isinstance(m, str) and m for m in modules):
-        raise RegistryError("invalid_field", f"target_modules must be non-empty strings, got {modules!r}")
-    return modules
 
 
 def ensure_state_dir(path: Path) -> None:

@@ -18,7 +18,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 from loraplex.contracts.names import MAX_NAME_LEN, is_valid_name
-from loraplex.daemon.registry import MAX_PATH_LEN, MIGRATIONS, SCHEMA_VERSION, SOURCES, UNSCOPED
+from loraplex.daemon.adapter_rules import MAX_PATH_LEN
+from loraplex.daemon.registry import MIGRATIONS, SCHEMA_VERSION, SOURCES, UNSCOPED
 
 # Every column of the current schema, and what a row written before the column existed holds in it.
 COLUMNS = ("model", "name", "path", "rank", "target_modules", "pinned", "added_at", "source", "content_hash",

@@ -13,10 +13,11 @@ import time
 from typing import Callable
 
 from loraplex.daemon.adapter_hash import fingerprint_from_text
+from loraplex.daemon.adapter_rules import check_adapter_path
 from loraplex.daemon.adapter_table import AdapterEntry
 from loraplex.daemon.child_link import EngineDied, EngineRefused
 from loraplex.daemon.config import LoraplexConfig
-from loraplex.daemon.registry import AdapterRecord, AdapterRegistry, check_adapter_path
+from loraplex.daemon.registry import AdapterRecord, AdapterRegistry
 from loraplex.daemon.sdnotify import Notifier
 from loraplex.daemon.serving import ServingCore
 

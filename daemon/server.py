@@ -13,7 +13,8 @@ import logging
 
 from loraplex.daemon.access import redact_for_remote
 from loraplex.daemon.adapter_changes import AdapterChanges
-from loraplex.daemon.registry import AdapterRegistry, RegistryError, check_adapter_path
+from loraplex.daemon.adapter_rules import RegistryError, check_adapter_path
+from loraplex.daemon.registry import AdapterRegistry
 from loraplex.daemon.serving import Rejected, ServingCore
 from loraplex.ipc.adapter_files import AdapterFileError
 from loraplex.ipc.errors import ErrorCode, ProtocolError

@@ -158,8 +158,9 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
 
 def _run_serve(args: argparse.Namespace) -> int:
     """Run the daemon in the foreground (torch stays in the engine process)."""
-    from loraplex.daemon.config import ConfigError, parse_adapter_arg
+    from loraplex.daemon.config import ConfigError
     from loraplex.daemon.config_load import load_config
+    from loraplex.daemon.config_names import parse_adapter_arg
     from loraplex.daemon.main import serve
     from loraplex.ipc.socket_options import EndpointInUse
 
@@ -383,10 +384,12 @@ def _adapters_via_registry(args: argparse.Namespace, runtime_dir: Path) -> int:
     import sqlite3
 
     from loraplex.adapters_offline import print_offline_list
-    from loraplex.daemon.config import ConfigError, default_state_dir
+    from loraplex.daemon.adapter_rules import RegistryError
+    from loraplex.daemon.config import ConfigError
     from loraplex.daemon.config_load import load_config
+    from loraplex.daemon.config_names import default_state_dir
     from loraplex.daemon.model_scope import ModelScopeError, model_scope
-    from loraplex.daemon.registry import AdapterRegistry, RegistryError
+    from loraplex.daemon.registry import AdapterRegistry
 
     state_dir = args.state_dir or default_state_dir()
     try:

@@ -19,11 +19,9 @@ from loraplex.daemon.config import (
     ModelSettings,
     SchedulerSettings,
     ServerSettings,
-    default_state_dir,
-    env_var,
-    parse_adapter_arg,
 )
 from loraplex.daemon.config_load import load_config
+from loraplex.daemon.config_names import default_state_dir, env_var, parse_adapter_arg
 from loraplex.daemon.config_toml import config_to_dict, example_toml, render_toml
 
 

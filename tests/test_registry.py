@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 
 from loraplex.contracts.names import is_valid_name
+from loraplex.daemon.adapter_rules import RegistryError, check_adapter_path
 from loraplex.daemon.registry import (
     MIGRATIONS,
     SCHEMA_VERSION,
     AdapterRecord,
     AdapterRegistry,
-    RegistryError,
     RegistrySchemaError,
-    check_adapter_path,
 )
 
 

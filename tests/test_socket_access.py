@@ -13,7 +13,8 @@ import pytest
 
 from loraplex.contracts.host import free_loopback_port
 from loraplex.daemon.access import REDACTED, redact_for_remote
-from loraplex.daemon.config import ConfigError, ServerSettings, is_loopback_endpoint
+from loraplex.daemon.config import ConfigError, ServerSettings
+from loraplex.daemon.config_names import is_loopback_endpoint
 from loraplex.ipc.client import Client
 from loraplex.ipc.protocol import AdaptersReply, ErrorReply, StatsReply, TokenChunk
 from tests.daemon_process import DaemonProcess
