@@ -12,7 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-REFERENCE = "peft"  # the texts every other system's are checked against
+REFERENCE = "peft"  # the outputs every other system's are checked against
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """One request's output as a system returned it: its text and, where the server named them,
+    its token ids (then the check compares tokens, and no detokenizer seam can hide a wrong one)."""
+
+    text: str
+    token_ids: list[int] | None = None
 
 
 def result_entry(system: str, point: Any, rate: float, run: dict[str, Any]) -> dict[str, Any]:
@@ -71,6 +80,14 @@ class Reference:
                 return step, margins[step]
         return None, None
 
+    def id_divergence(self, index: int, ids: list[int]) -> tuple[int | None, float | None]:
+        """The first step where `ids` leave PEFT's greedy tokens, and PEFT's margin there."""
+        ref, margins = self.token_ids.get(index) or [], self.margins.get(index) or []
+        for step, (mine, theirs) in enumerate(zip(ids, ref)):
+            if mine != theirs:
+                return step, margins[step] if step < len(margins) else None
+        return (None, None) if len(ids) == len(ref) else (min(len(ids), len(ref)), None)
+
     def kind(self, index: int, step: int | None, margin: float | None) -> str:
         """wrong, near_tie or seam (class docstring) for a text that left PEFT's at `step`."""
         if step is None or margin is None:
@@ -83,28 +100,42 @@ class Reference:
         return "wrong"
 
 
-def check_texts(entries: list[dict[str, Any]], texts: dict[str, dict[int, str] | None],
+def check_texts(entries: list[dict[str, Any]], outputs: dict[str, dict[int, Output] | None],
                 reference: Reference | None = None) -> None:
-    """Each system's text for every request both it and PEFT finished, against PEFT's. A differing
-    text counts as wrong unless `reference` shows it left PEFT's at a near-tie or a detokenizer
-    seam (Reference): wrong tokens are reported, never averaged away."""
-    ref = texts.get(REFERENCE)
+    """Each system's output for every request both it and PEFT finished, against PEFT's: token by
+    token where the system named its token ids, else by text. A difference counts as wrong unless
+    `reference` shows it left PEFT's at a near-tie, or (text only) at a detokenizer seam
+    (Reference): wrong tokens are reported, never averaged away."""
+    ref = outputs.get(REFERENCE)
     for entry in entries:
-        own = texts.get(entry["system"])
+        own = outputs.get(entry["system"])
         if entry["system"] == REFERENCE or ref is None or own is None:
             continue
         both = [i for i in own if i in ref]
-        differ = [i for i in both if own[i] != ref[i]]
-        found = {i: reference.divergence(i, own[i]) if reference else (None, None) for i in differ}
-        kinds = {i: reference.kind(i, *found[i]) if reference else "wrong" for i in differ}
+        by_ids = {i for i in both if own[i].token_ids is not None and ref[i].token_ids is not None}
+        differ = [i for i in both if (own[i].token_ids != ref[i].token_ids if i in by_ids
+                                      else own[i].text != ref[i].text)]
+        found = {i: (None, None) if reference is None else
+                 reference.id_divergence(i, own[i].token_ids) if i in by_ids else  # type: ignore[arg-type]
+                 reference.divergence(i, own[i].text) for i in differ}
+        kinds = {i: _kind(reference, i, *found[i], by_ids=i in by_ids) for i in differ}
         wrong = [i for i in differ if kinds[i] == "wrong"]
-        entry.update(checked_outputs=len(both), wrong_outputs=len(wrong),
+        entry.update(checked_outputs=len(both), checked_by_token_ids=len(by_ids), wrong_outputs=len(wrong),
                      near_tie_outputs=sum(k == "near_tie" for k in kinds.values()),
                      seam_outputs=sum(k == "seam" for k in kinds.values()), first_wrong=wrong[:5],
                      divergences=[{"index": i, "token": found[i][0], "peft_margin": found[i][1], "kind": kinds[i]}
                                   for i in differ][:10])
         if reference:
             entry["near_tie_margin"] = 2 * reference.tolerance
+
+
+def _kind(reference: Reference | None, index: int, step: int | None, margin: float | None, *, by_ids: bool) -> str:
+    """Compared by token ids, only a near-tie excuses a difference; by text, a seam may too."""
+    if reference is None:
+        return "wrong"
+    if by_ids:
+        return "near_tie" if margin is not None and margin <= 2 * reference.tolerance else "wrong"
+    return reference.kind(index, step, margin)
 
 
 def add_slowdowns(results: list[dict[str, Any]]) -> None:

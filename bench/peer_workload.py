@@ -5,7 +5,9 @@ A workload is seeded and fixed before any system starts: each request's arrival 
 at `rate`), prompt (random token ids), output length and adapter (uniform or Zipf over the
 adapters, or none for the base model), so every system sees exactly the same requests at the
 same times. The client posts each at its time to an OpenAI-compatible `/v1/completions` (token
-ids as the prompt, greedy, `ignore_eos`, streamed) and times its first token and its end.
+ids as the prompt, greedy, `ignore_eos`, streamed) and times its first token and its end. It asks
+for each token's id too (`logprobs: 0` with vLLM's `return_tokens_as_token_ids`, which both vLLM
+and loraplex's gateway serve), so outputs are compared token by token, not through a detokenizer.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class PeerResult:
     tokens: int = 0
     text: str = ""
     error: str = ""
+    token_ids: list[int] | None = None  # None: the server named no ids (then only the text is compared)
 
     @property
     def tpot_s(self) -> float | None:
@@ -89,9 +92,11 @@ async def _one(session: aiohttp.ClientSession, url: str, base_model: str, req: P
     await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
     arrived = start + req.arrival_s
     body = {"model": req.adapter or base_model, "prompt": req.prompt, "max_tokens": req.max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "logprobs": 0, "return_tokens_as_token_ids": True}
     result = PeerResult(req.index, ok=False)
     parts: list[str] = []
+    labels: list[str] = []
     events = 0
     try:
         async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
@@ -107,18 +112,26 @@ async def _one(session: aiohttp.ClientSession, url: str, base_model: str, req: P
                     if result.ttft_s is None:
                         result.ttft_s = time.perf_counter() - arrived
                     parts.append(choice.get("text") or "")
+                    labels.extend((choice.get("logprobs") or {}).get("tokens") or [])
                     events += 1
                 if event.get("usage"):  # the last event: the count the server generated
                     result.tokens = int(event["usage"].get("completion_tokens") or 0)
         result.e2e_s = time.perf_counter() - arrived
         result.tokens = result.tokens or events
         result.text = "".join(parts)
+        result.token_ids = token_ids(labels)
         result.ok = result.tokens > 0
         if not result.ok:
             result.error = "no tokens"
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:200]
     return result
+
+
+def token_ids(labels: list[str]) -> list[int] | None:
+    """The ids of "token_id:N" labels; None when there are none or any is spelled otherwise."""
+    ids = [int(label[9:]) for label in labels if label.startswith("token_id:") and label[9:].isdigit()]
+    return ids if labels and len(ids) == len(labels) else None
 
 
 async def drive(url: str, base_model: str, workload: list[PeerRequest], *,

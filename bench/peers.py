@@ -46,7 +46,16 @@ from hogs import Hogs
 from model_shapes import SHAPES
 from peer_inputs import TARGETS, SweepPoint, adapter_set, cold_set, log, write_checkpoint
 from peer_outside_client import OutsideLoad, run_vllm_bench
-from peer_report import Reference, add_slowdowns, check_texts, cold_summary, ratios, result_entry, table
+from peer_report import (
+    Output,
+    Reference,
+    add_slowdowns,
+    check_texts,
+    cold_summary,
+    ratios,
+    result_entry,
+    table,
+)
 from peer_systems import (
     BASE_MODEL,
     PeerUnavailable,
@@ -168,9 +177,9 @@ def probe_cold(served: Served, names: list[str], prompts: list[list[int]], timeo
 
 
 def measure_with_ours(served: Served, workload: list[PeerRequest], args: argparse.Namespace
-                      ) -> tuple[dict[str, Any], dict[int, str]]:
+                      ) -> tuple[dict[str, Any], dict[int, Output]]:
     results, elapsed = asyncio.run(drive(served.url, BASE_MODEL, workload, timeout_s=args.request_timeout))
-    return summarize(results, elapsed), {r.index: r.text for r in results if r.ok}
+    return summarize(results, elapsed), {r.index: Output(r.text, r.token_ids) for r in results if r.ok}
 
 
 def measure_with_vllm_bench(served: Served, workload: list[PeerRequest], args: argparse.Namespace,
@@ -182,7 +191,7 @@ def measure_with_vllm_bench(served: Served, workload: list[PeerRequest], args: a
 
 
 def serve_and_drive(served: Served, workload: list[PeerRequest], cold: list[str], args: argparse.Namespace,
-                    measure: Callable[..., tuple[dict[str, Any], dict[int, str] | None]]) -> dict[str, Any]:
+                    measure: Callable[..., tuple[dict[str, Any], dict[int, Output] | None]]) -> dict[str, Any]:
     try:
         with PeakMemory([p.pid for p in served.procs]) as memory:
             start = time.perf_counter()
@@ -224,7 +233,8 @@ def run_peft(work: Path, model_dir: Path, adapters: dict[str, Path], workload, c
         raise PeerUnavailable(f"peft exited {proc.returncode}: {stderr[-1500:]}")
     data = json.loads(out.read_text())
     results = [PeerResult(r["index"], True, r["ttft_s"], r["e2e_s"], r["tokens"], r["text"]) for r in data["results"]]
-    return {"summary": summarize(results, data["elapsed_s"]), "texts": {r.index: r.text for r in results},
+    return {"summary": summarize(results, data["elapsed_s"]),
+            "texts": {r["index"]: Output(r["text"], r["token_ids"]) for r in data["results"]},
             "greedy": {r["index"]: (r["token_ids"], r["margins"]) for r in data["results"]},
             "peak_rss_mb": None if memory.peak_mb is None else round(memory.peak_mb, 1),
             "settings": {"threads": data["threads"], "cores": cores, "max_batch": 8,

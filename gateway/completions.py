@@ -76,8 +76,9 @@ async def json_body(request: web.Request, endpoint: str = "json") -> Any:
 async def completions(request: web.Request, state: GatewayState, out: Outcome) -> web.StreamResponse:
     req: CompletionRequest = await json_body(request, "completions")
     echoes = [await _prompt_text(state, p) for p in req.prompts] if req.echo else None
-    return await _generate(request, state, out, CompletionFormat(), req.model, req.prompts, req.sampling,
-                           stream=req.stream, include_usage=req.include_usage, echoes=echoes, ask=req.prompt)
+    return await _generate(request, state, out, CompletionFormat(req.tokens_as_ids), req.model, req.prompts,
+                           req.sampling, stream=req.stream, include_usage=req.include_usage, echoes=echoes,
+                           ask=req.prompt)
 
 
 async def _prompt_text(state: GatewayState, prompt: Prompt) -> str:
@@ -99,7 +100,7 @@ async def chat_completions(request: web.Request, state: GatewayState, out: Outco
                                             extra=req.template_kwargs)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
-    return await _generate(request, state, out, ChatFormat(), req.model, [prompt], req.sampling,
+    return await _generate(request, state, out, ChatFormat(req.tokens_as_ids), req.model, [prompt], req.sampling,
                            stream=req.stream, include_usage=req.include_usage)
 
 

@@ -56,6 +56,13 @@ class Tokens:
         self.ids.extend(ids + [None] * (num_tokens - len(ids)))
 
 
+def token_label(text: str, token_id: int | None, as_ids: bool) -> str:
+    """How a token is spelled in logprobs: its text, or with vLLM's return_tokens_as_token_ids
+    "token_id:N", which names the token exactly where its text alone cannot (a lone byte of a
+    multi-byte character, tokens that decode alike). A token the daemon sent no id for keeps its text."""
+    return f"token_id:{token_id}" if as_ids and token_id is not None else text
+
+
 class Format(Protocol):
     """How one endpoint spells its responses."""
 
@@ -76,15 +83,19 @@ class CompletionFormat:
     chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
+    def __init__(self, tokens_as_ids: bool = False) -> None:
+        self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids: see token_label
+
     def choice(self, index: int, text: str, reason: str, tokens: Tokens | None) -> dict[str, object]:
-        return {"index": index, "text": text, "logprobs": _completion_logprobs(tokens, 0),
+        return {"index": index, "text": text, "logprobs": _completion_logprobs(tokens, 0, self.tokens_as_ids),
                 "finish_reason": finish_reason(reason)}
 
     def opening(self, index: int) -> dict[str, object] | None:
         return None
 
     def delta(self, index: int, text: str, tokens: Tokens | None, offset: int) -> dict[str, object]:
-        return {"index": index, "text": text, "logprobs": _completion_logprobs(tokens, offset), "finish_reason": None}
+        return {"index": index, "text": text, "logprobs": _completion_logprobs(tokens, offset, self.tokens_as_ids),
+                "finish_reason": None}
 
     def closing(self, index: int, reason: str) -> dict[str, object]:
         return {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(reason)}
@@ -95,16 +106,19 @@ class ChatFormat:
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
+    def __init__(self, tokens_as_ids: bool = False) -> None:
+        self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids: see token_label
+
     def choice(self, index: int, text: str, reason: str, tokens: Tokens | None) -> dict[str, object]:
         return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": _chat_logprobs(tokens), "finish_reason": finish_reason(reason)}
+                "logprobs": _chat_logprobs(tokens, self.tokens_as_ids), "finish_reason": finish_reason(reason)}
 
     def opening(self, index: int) -> dict[str, object] | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
     def delta(self, index: int, text: str, tokens: Tokens | None, offset: int) -> dict[str, object]:
-        return {"index": index, "delta": {"content": text}, "logprobs": _chat_logprobs(tokens),
+        return {"index": index, "delta": {"content": text}, "logprobs": _chat_logprobs(tokens, self.tokens_as_ids),
                 "finish_reason": None}
 
     def closing(self, index: int, reason: str) -> dict[str, object]:
@@ -137,7 +151,7 @@ class Envelope:
         return chunk
 
 
-def _completion_logprobs(tokens: Tokens | None, offset: int) -> dict[str, object] | None:
+def _completion_logprobs(tokens: Tokens | None, offset: int, as_ids: bool = False) -> dict[str, object] | None:
     """The legacy completions shape; each top_logprobs map holds the alternatives (each token
     decoded alone, so texts that decode alike share a key), and the sampled token under its
     text in the completion when it is not among them (up to logprobs + 1 entries, as vLLM)."""
@@ -148,29 +162,33 @@ def _completion_logprobs(tokens: Tokens | None, offset: int) -> dict[str, object
         offsets.append(offset)
         offset += len(text)
     tops = []
-    for text, lp, top, token in zip(tokens.texts, tokens.logprobs, tokens.tops, tokens.ids, strict=True):
+    labels = [token_label(text, token, as_ids) for text, token in zip(tokens.texts, tokens.ids, strict=True)]
+    for label, lp, top, token in zip(labels, tokens.logprobs, tokens.tops, tokens.ids, strict=True):
         if top is None:
-            tops.append({text: lp})
+            tops.append({label: lp})
             continue
         entry: dict[str, float | None] = {}
-        for t, alt in zip(top.texts, top.logprobs):
-            entry.setdefault(t, alt)
+        for t, alt_id, alt in zip(top.texts, top.token_ids, top.logprobs):
+            entry.setdefault(token_label(t, alt_id, as_ids), alt)
         if token not in top.token_ids:
-            entry.setdefault(text, lp)
+            entry.setdefault(label, lp)
         tops.append(entry)
-    return {"tokens": list(tokens.texts), "token_logprobs": list(tokens.logprobs), "top_logprobs": tops,
+    return {"tokens": labels, "token_logprobs": list(tokens.logprobs), "top_logprobs": tops,
             "text_offset": offsets}
 
 
-def _chat_logprobs(tokens: Tokens | None) -> dict[str, object] | None:
+def _chat_logprobs(tokens: Tokens | None, as_ids: bool = False) -> dict[str, object] | None:
+    """`bytes` are always the token's text (its UTF-8), whatever `token` is spelled as."""
     if tokens is None:
         return None
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")),
-                         "top_logprobs": _chat_alternatives(top)}
-                        for t, lp, top in zip(tokens.texts, tokens.logprobs, tokens.tops, strict=True)]}
+    return {"content": [{"token": token_label(t, token, as_ids), "logprob": lp, "bytes": list(t.encode("utf-8")),
+                         "top_logprobs": _chat_alternatives(top, as_ids)}
+                        for t, token, lp, top in zip(tokens.texts, tokens.ids, tokens.logprobs, tokens.tops,
+                                                     strict=True)]}
 
 
-def _chat_alternatives(top: TopLogprobs | None) -> list[dict[str, object]]:
+def _chat_alternatives(top: TopLogprobs | None, as_ids: bool) -> list[dict[str, object]]:
     if top is None:
         return []
-    return [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in zip(top.texts, top.logprobs)]
+    return [{"token": token_label(t, token, as_ids), "logprob": lp, "bytes": list(t.encode("utf-8"))}
+            for t, token, lp in zip(top.texts, top.token_ids, top.logprobs)]

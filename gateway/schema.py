@@ -80,6 +80,7 @@ class CompletionRequest:
     include_usage: bool
     echo: bool = False  # the prompt's text comes before each choice's completion
     prompt: PromptAsk = PromptAsk()  # what it asks of the prompt's logprobs
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,7 @@ class ChatRequest:
     include_usage: bool
     add_generation_prompt: bool
     template_kwargs: dict[str, Any]
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
 
 def parse_completion(body: object, max_prompt_tokens: int | None = None) -> CompletionRequest:
@@ -108,8 +110,9 @@ def parse_completion(body: object, max_prompt_tokens: int | None = None) -> Comp
                          logprobs=logprobs is not None, top_logprobs=logprobs or 0, prompt_logprobs=ask.alternatives)
     if len(prompts) * sampling.n > MAX_PROMPTS_PER_REQUEST:
         raise bad_request(f"prompts times n must be at most {MAX_PROMPTS_PER_REQUEST}", "n")
+    as_ids = _opt_bool(b, "return_tokens_as_token_ids", False)
     return CompletionRequest(model=_model(b), prompts=prompts, stream=stream, include_usage=include_usage, echo=echo,
-                             sampling=sampling, prompt=ask)
+                             sampling=sampling, prompt=ask, tokens_as_ids=as_ids)
 
 
 def _prompt_ask(b: Mapping[str, Any], echo: bool, logprobs: int | None, stream: bool) -> PromptAsk:
@@ -150,6 +153,7 @@ def parse_chat(body: object, max_messages: int | None = None) -> ChatRequest:
         include_usage=include_usage,
         sampling=_sampling(b, max_tokens, logprobs=logprobs, top_logprobs=top),
         add_generation_prompt=_opt_bool(b, "add_generation_prompt", True), template_kwargs=kwargs,
+        tokens_as_ids=_opt_bool(b, "return_tokens_as_token_ids", False),
     )
 
 

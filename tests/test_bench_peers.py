@@ -123,8 +123,8 @@ def test_texts_are_checked_against_peft_and_ratios_taken_against_loraplex():
 
     entries = [entry("loraplex", 30.0), entry("vllm", 10.0), entry("peft", 5.0),
                report.result_entry("broken", point, 1.0, {"error": "could not start"})]
-    report.check_texts(entries, {"loraplex": {0: "x", 1: "y"}, "vllm": {0: "x", 1: "z", 2: "w"},
-                                 "peft": {0: "x", 1: "y", 2: "w"}, "broken": None})
+    texts = {"loraplex": {0: "x", 1: "y"}, "vllm": {0: "x", 1: "z", 2: "w"}, "peft": {0: "x", 1: "y", 2: "w"}}
+    report.check_texts(entries, {**_outputs(report, texts), "broken": None})
     by = {e["system"]: e for e in entries}
     assert (by["loraplex"]["wrong_outputs"], by["loraplex"]["checked_outputs"]) == (0, 2)
     assert (by["vllm"]["wrong_outputs"], by["vllm"]["checked_outputs"], by["vllm"]["first_wrong"]) == (1, 3, [1])
@@ -289,16 +289,33 @@ def test_a_text_that_leaves_pefts_at_a_near_tie_or_a_seam_is_told_apart_from_a_w
     entries = [report.result_entry("vllm", point, 1.0, {"summary": {"output_tok_s": 1.0, "finished": 4}})]
     # request 0 leaves PEFT's at a margin of 1e-5 (under 2 x 1e-4): a near-tie; request 1 at 0.02 on a
     # whole token past the first: wrong; request 2 at a lone byte, 4 just after one, 3 at its first token: seams
-    report.check_texts(entries, {"peft": {0: "abc", 1: "def", 2: "g\ufffda", 3: "bcd", 4: "\ufffdbc"},
-                                 "vllm": {0: "aXY", 1: "dZf", 2: "gZa", 3: "Zcd", 4: "\ufffdZc"}}, reference)
+    report.check_texts(entries, _outputs(report, {"peft": {0: "abc", 1: "def", 2: "g\ufffda", 3: "bcd", 4: "\ufffdbc"},
+                                                  "vllm": {0: "aXY", 1: "dZf", 2: "gZa", 3: "Zcd", 4: "\ufffdZc"}}),
+                       reference)
     e = entries[0]
     assert (e["checked_outputs"], e["wrong_outputs"], e["near_tie_outputs"], e["seam_outputs"]) == (5, 1, 1, 3)
     assert e["first_wrong"] == [1]
     assert [(d["index"], d["token"], d["kind"]) for d in e["divergences"]] == [
         (0, 1, "near_tie"), (1, 1, "wrong"), (2, 1, "seam"), (3, 0, "seam"), (4, 1, "seam")]
     without = [report.result_entry("vllm", point, 1.0, {"summary": {"output_tok_s": 1.0, "finished": 3}})]
-    report.check_texts(without, {"peft": {0: "abc", 1: "def"}, "vllm": {0: "aXY", 1: "dZf"}})
+    report.check_texts(without, _outputs(report, {"peft": {0: "abc", 1: "def"}, "vllm": {0: "aXY", 1: "dZf"}}))
     assert without[0]["wrong_outputs"] == 2, "no margins known: every differing text counts as wrong"
+    # With token ids on both sides the tokens decide, not the texts: request 2's text differs (another
+    # detokenizer's spelling) over the same tokens, which is right; request 3's first token differs at a
+    # margin of 0.4, which text would have called a seam and ids show is wrong; request 0 stays a near-tie.
+    by_ids = [report.result_entry("vllm", point, 1.0, {"summary": {"output_tok_s": 1.0, "finished": 4}})]
+    peft = {i: report.Output(text, reference.token_ids[i]) for i, text in
+            {0: "abc", 2: "g\ufffda", 3: "bcd"}.items()}
+    vllm = {0: report.Output("aXY", [0, 5, 6]), 2: report.Output("g?a", [6, 7, 0]), 3: report.Output("Zcd", [4, 2, 3])}
+    report.check_texts(by_ids, {"peft": peft, "vllm": vllm}, reference)
+    e = by_ids[0]
+    assert (e["checked_outputs"], e["checked_by_token_ids"], e["wrong_outputs"], e["near_tie_outputs"],
+            e["seam_outputs"]) == (3, 3, 1, 1, 0)
+    assert [(d["index"], d["token"], d["kind"]) for d in e["divergences"]] == [(0, 1, "near_tie"), (3, 0, "wrong")]
+
+
+def _outputs(report, texts: dict[str, dict[int, str]]) -> dict[str, dict[int, object]]:
+    return {system: {i: report.Output(text) for i, text in by_index.items()} for system, by_index in texts.items()}
 
 
 def test_cold_probes_never_share_a_prefix_with_each_other_or_the_workload():
@@ -310,3 +327,10 @@ def test_cold_probes_never_share_a_prefix_with_each_other_or_the_workload():
     assert len({tuple(p) for p in prompts} | {tuple(r.prompt) for r in requests}) == 8 + 5
     assert all(p[0] != requests[0].prompt[0] for p in prompts), "a cached first page would flatter the probe"
     assert len(firsts) >= 8
+
+
+def test_the_client_reads_token_ids_only_where_every_token_is_named_by_its_id():
+    workload = _bench_module("peer_workload")
+    assert workload.token_ids(["token_id:5", "token_id:70"]) == [5, 70]
+    assert workload.token_ids(["token_id:5", "abc"]) is None, "a server that spells tokens as text"
+    assert workload.token_ids(["token_id:x"]) is None and workload.token_ids([]) is None

@@ -162,6 +162,39 @@ def test_stop_strings_seed_and_logprobs(client):
         chat.message.content
 
 
+def test_tokens_as_token_ids_name_the_daemons_own_tokens(client, daemon):
+    """vLLM's return_tokens_as_token_ids: every token and alternative in logprobs is "token_id:N",
+    N the id the daemon sampled (its raw reply), in whole, streamed and chat answers; the text
+    is unchanged and chat's bytes stay the token's text."""
+    with daemon.client() as raw:
+        expected = raw.generate("The river", adapter="mlp-r64", max_tokens=12, temperature=0.0,
+                                ignore_eos=True).token_ids
+    as_ids = {"temperature": 0.0, "max_tokens": 12,
+              "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}}
+
+    def ids(labels: list[str]) -> list[int]:
+        assert all(re.fullmatch(r"token_id:\d+", label) for label in labels), labels
+        return [int(label.split(":")[1]) for label in labels]
+
+    whole = client.completions.create(model="mlp-r64", prompt="The river", logprobs=2, **as_ids).choices[0]
+    assert ids(whole.logprobs.tokens) == expected
+    plain = client.completions.create(model="mlp-r64", prompt="The river", **GREEDY).choices[0]
+    assert whole.text == plain.text
+    for token, top in zip(whole.logprobs.tokens, whole.logprobs.top_logprobs, strict=True):
+        ids(list(top))
+        assert max(top, key=top.get) == token  # greedy: the sampled token is the most likely
+    streamed = [label for chunk in client.completions.create(model="mlp-r64", prompt="The river", logprobs=0,
+                                                             stream=True, **as_ids)
+                for c in chunk.choices if c.logprobs for label in c.logprobs.tokens]
+    assert ids(streamed) == expected
+    chat = client.chat.completions.create(model="qv-r8", messages=[{"role": "user", "content": "hi"}],
+                                          logprobs=True, top_logprobs=2, **as_ids).choices[0]
+    assert len(ids([t.token for t in chat.logprobs.content])) == 12
+    assert all(ids([alt.token for alt in t.top_logprobs]) for t in chat.logprobs.content)
+    assert bytes(b for t in chat.logprobs.content for b in t.bytes).decode("utf-8", "replace") == \
+        chat.message.content
+
+
 def test_chat_uses_the_builtin_template(client):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello"}]
     chat = client.chat.completions.create(model="rslora-r16", messages=messages, **GREEDY)
