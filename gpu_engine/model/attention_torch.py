@@ -34,23 +34,45 @@ class TorchPagedAttention:
     def forward(self, q: torch.Tensor, layer: int, batch: ForwardBatch, pool: UnifiedPool) -> torch.Tensor:
         # q: [tokens, heads, head_dim] (RoPE applied; this step's K/V already written) -> same shape
         out = torch.empty_like(q)
-        group = self.num_heads // self.num_kv_heads
         window = self.windows[layer]
         for row in batch.rows:
-            # no page before the window of the row's first query is read: it may be back in the pool
-            first_key = 0 if window is None else max(0, row.start_pos - window + 1)
-            keys, values = pool.read_kv(layer, row.pages, row.context, first_key)
-            keys = keys.view(row.context, self.num_kv_heads, self.head_dim).repeat_interleave(group, dim=1)
-            values = values.view(row.context, self.num_kv_heads, self.head_dim).repeat_interleave(group, dim=1)
-            rows = slice(row.first, row.first + row.count)
-            q_rows, k_rows, v_rows = q[rows].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
-            mask = self._mask(row, window, q.device)
-            if self.softcap is None:
-                o = F.scaled_dot_product_attention(q_rows, k_rows, v_rows, attn_mask=mask, scale=self.scale)
-            else:
-                o = self._capped(q_rows, k_rows, v_rows, mask)
-            out[rows] = o.transpose(0, 1)  # o: [heads, count, head_dim]
+            self._row(q, out, row, layer, window, pool)
         return out
+
+    def _row(self, q: torch.Tensor, out: torch.Tensor, row: RowSpan, layer: int, window: int | None,
+             pool: UnifiedPool) -> None:
+        """out[row's tokens] = their attention over the row's keys."""
+        group = self.num_heads // self.num_kv_heads
+        # no page before the window of the row's first query is read: it may be back in the pool
+        first_key = 0 if window is None else max(0, row.start_pos - window + 1)
+        keys, values = pool.read_kv(layer, row.pages, row.context, first_key)
+        mask = self._mask(row, window, q.device)
+        if mask is None and self.softcap is None:  # one query over its whole context: a decode row
+            out[row.first] = self._decode(q[row.first], keys, values, row.context)
+            return
+        keys = keys.view(row.context, self.num_kv_heads, self.head_dim)
+        values = values.view(row.context, self.num_kv_heads, self.head_dim)
+        rows = slice(row.first, row.first + row.count)
+        q_rows = q[rows].transpose(0, 1)
+        if self.softcap is None:  # SDPA shares each KV head with its group of query heads itself
+            o = F.scaled_dot_product_attention(q_rows, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
+                                               scale=self.scale, enable_gqa=group > 1)
+        else:
+            k_rows = keys.repeat_interleave(group, dim=1).transpose(0, 1)
+            v_rows = values.repeat_interleave(group, dim=1).transpose(0, 1)
+            o = self._capped(q_rows, k_rows, v_rows, mask)
+        out[rows] = o.transpose(0, 1)  # o: [heads, count, head_dim]
+
+    def _decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context: int) -> torch.Tensor:
+        """One query [heads, head_dim] over `context` keys and values [context, kv_dim]: the heads of
+        one KV head share it as a group (no copy of K and V per head, as repeat_interleave makes)."""
+        kv_heads, head_dim = self.num_kv_heads, self.head_dim
+        grouped = q.view(kv_heads, self.num_heads // kv_heads, head_dim)
+        k = keys.view(context, kv_heads, head_dim).transpose(0, 1)  # [kvh, context, hd]
+        v = values.view(context, kv_heads, head_dim).transpose(0, 1)
+        logits = torch.matmul(grouped, k.transpose(1, 2)) * self.scale  # [kvh, group, context]
+        probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
+        return torch.matmul(probs, v).view(self.num_heads, head_dim)
 
     def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         # As transformers' eager attention does it: scale, cap, mask, softmax in float32.
