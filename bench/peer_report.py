@@ -88,12 +88,19 @@ class Reference:
                 return step, margins[step] if step < len(margins) else None
         return (None, None) if len(ids) == len(ref) else (min(len(ids), len(ref)), None)
 
-    def kind(self, index: int, step: int | None, margin: float | None) -> str:
-        """wrong, near_tie or seam (class docstring) for a text that left PEFT's at `step`."""
+    def first_difference(self, index: int, output: Output, by_ids: bool) -> tuple[int | None, float | None]:
+        """Where `output` leaves PEFT's tokens: by its token ids, or by its text."""
+        return self.id_divergence(index, output.token_ids or []) if by_ids else self.divergence(index, output.text)
+
+    def kind(self, index: int, step: int | None, margin: float | None, *, by_ids: bool = False) -> str:
+        """wrong, near_tie or seam (class docstring) for an output that left PEFT's at `step`; compared
+        by token ids, only a near-tie excuses a difference."""
         if step is None or margin is None:
             return "wrong"
         if margin <= 2 * self.tolerance:
             return "near_tie"
+        if by_ids:
+            return "wrong"
         ids = self.token_ids[index]
         if step == 0 or any("\ufffd" in self.decode([i]) for i in ids[max(0, step - 1):step + 1]):
             return "seam"
@@ -115,10 +122,9 @@ def check_texts(entries: list[dict[str, Any]], outputs: dict[str, dict[int, Outp
         by_ids = {i for i in both if own[i].token_ids is not None and ref[i].token_ids is not None}
         differ = [i for i in both if (own[i].token_ids != ref[i].token_ids if i in by_ids
                                       else own[i].text != ref[i].text)]
-        found = {i: (None, None) if reference is None else
-                 reference.id_divergence(i, own[i].token_ids) if i in by_ids else  # type: ignore[arg-type]
-                 reference.divergence(i, own[i].text) for i in differ}
-        kinds = {i: _kind(reference, i, *found[i], by_ids=i in by_ids) for i in differ}
+        found = {i: reference.first_difference(i, own[i], i in by_ids) if reference else (None, None)
+                 for i in differ}
+        kinds = {i: reference.kind(i, *found[i], by_ids=i in by_ids) if reference else "wrong" for i in differ}
         wrong = [i for i in differ if kinds[i] == "wrong"]
         entry.update(checked_outputs=len(both), checked_by_token_ids=len(by_ids), wrong_outputs=len(wrong),
                      near_tie_outputs=sum(k == "near_tie" for k in kinds.values()),
@@ -127,15 +133,6 @@ def check_texts(entries: list[dict[str, Any]], outputs: dict[str, dict[int, Outp
                                   for i in differ][:10])
         if reference:
             entry["near_tie_margin"] = 2 * reference.tolerance
-
-
-def _kind(reference: Reference | None, index: int, step: int | None, margin: float | None, *, by_ids: bool) -> str:
-    """Compared by token ids, only a near-tie excuses a difference; by text, a seam may too."""
-    if reference is None:
-        return "wrong"
-    if by_ids:
-        return "near_tie" if margin is not None and margin <= 2 * reference.tolerance else "wrong"
-    return reference.kind(index, step, margin)
 
 
 def add_slowdowns(results: list[dict[str, Any]]) -> None:

@@ -3,7 +3,7 @@
 Owns the adapters table (base-model scope, name, path, rank, target modules,
 pinned, when and by whom added, the content hash and file fingerprint last
 seen, how often used) and its schema migrations; the rules an entry must follow
-are daemon/adapter_rules.py's (re-exported here). Every registry object is
+are daemon/adapter_rules.py's. Every registry object is
 scoped to one base model (daemon/model_scope.py), so daemons serving different
 models never see each other's adapters. Never reads adapter weights and never
 decides residency; that is the cache manager's and the scheduler's job.

@@ -47,7 +47,7 @@ class TorchPagedAttention:
         first_key = 0 if window is None else max(0, row.start_pos - window + 1)
         keys, values = pool.read_kv(layer, row.pages, row.context, first_key)
         mask = self._mask(row, window, q.device)
-        if mask is None and self.softcap is None:  # one query over its whole context: a decode row
+        if mask is None:  # one query over its whole context: a decode row
             out[row.first] = self._decode(q[row.first], keys, values, row.context)
             return
         keys = keys.view(row.context, self.num_kv_heads, self.head_dim)
@@ -71,6 +71,8 @@ class TorchPagedAttention:
         k = keys.view(context, kv_heads, head_dim).transpose(0, 1)  # [kvh, context, hd]
         v = values.view(context, kv_heads, head_dim).transpose(0, 1)
         logits = torch.matmul(grouped, k.transpose(1, 2)) * self.scale  # [kvh, group, context]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
         return torch.matmul(probs, v).view(self.num_heads, head_dim)
 
